@@ -1,0 +1,339 @@
+"""Tests of the pure-Python schedule layer: instructions, orders, simulator."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tp_trainer.schedule import (
+    INSTRUCTION_TYPES,
+    SCHEDULES,
+    BackwardSlice,
+    ForwardSlice,
+    Instruction,
+    LoadSlice,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    build_schedule,
+    check_schedule,
+    format_schedule,
+    gpipe,
+    parse_instruction,
+    simulate,
+)
+
+SLICE_CLASSES = [LoadSlice, ForwardSlice, BackwardSlice, SendActivation, RecvActivation,
+                 SendGrad, RecvGrad]
+STAGE_CLASSES = [ReduceTiedGrads, ReduceGrads, OptimizerStep]
+
+
+def all_stages(name: str, stages: int, microbatches: int, num_slices: int):
+    return [build_schedule(name, stages, i, microbatches, num_slices) for i in range(stages)]
+
+
+def flat(steps):
+    return [ins for step in steps for ins in step]
+
+
+# ---------------------------------------------------------------- instructions
+
+@pytest.mark.parametrize("cls", SLICE_CLASSES)
+def test_slice_instruction_round_trip(cls):
+    for stage, m, j in [(0, 0, 0), (1, 0, 3), (12, 7, 15), (3, 10, 100)]:
+        ins = cls(stage, m, j)
+        text = str(ins)
+        assert text == f"{stage}{cls.CODE}{m}.{j}"
+        assert repr(ins) == text
+        assert parse_instruction(text) == ins
+        assert type(parse_instruction(text)) is cls
+        assert ins.unit == (m, j)
+
+
+@pytest.mark.parametrize("cls", STAGE_CLASSES)
+def test_stage_instruction_round_trip(cls):
+    for stage in (0, 1, 17):
+        ins = cls(stage)
+        assert str(ins) == f"{stage}{cls.CODE}"
+        assert parse_instruction(str(ins)) == ins
+        assert ins.unit is None
+
+
+def test_examples_from_the_design():
+    assert parse_instruction("1F0.3") == ForwardSlice(1, 0, 3)
+    assert parse_instruction("0SEND_F2.1") == SendActivation(0, 2, 1)
+    assert parse_instruction("1RECV_B0.0") == RecvGrad(1, 0, 0)
+    assert parse_instruction("0LOAD1.2") == LoadSlice(0, 1, 2)
+    assert parse_instruction("0REDUCE_TIED") == ReduceTiedGrads(0)
+    assert parse_instruction("0REDUCE") == ReduceGrads(0)
+    assert parse_instruction("1STEP") == OptimizerStep(1)
+    assert set(INSTRUCTION_TYPES) == {"LOAD", "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+                                      "REDUCE_TIED", "REDUCE", "STEP"}
+
+
+@pytest.mark.parametrize("text", [
+    "", "F0.1", "1X0.1", "1F", "1F0", "1F0.", "1F.1", "1f0.1", "1STEP0.0", "1 F0.1",
+    "1F0.1 ", "-1F0.1", "01F0.1", "1F00.1", "1REDUCE_TIED1.1", "1SEND0.0", "STEP",
+])
+def test_bad_instruction_text_raises(text):
+    with pytest.raises(ValueError, match="bad instruction"):
+        parse_instruction(text)
+
+
+def test_bad_fields_raise():
+    with pytest.raises(ValueError, match="stage"):
+        ForwardSlice(-1, 0, 0)
+    with pytest.raises(ValueError, match="slice"):
+        BackwardSlice(0, 0, -2)
+    with pytest.raises(ValueError, match="microbatch"):
+        SendGrad(0, 1.5, 0)
+
+
+def test_peers():
+    assert SendActivation(0, 2, 1).peer() == RecvActivation(1, 2, 1)
+    assert RecvActivation(1, 2, 1).peer() == SendActivation(0, 2, 1)
+    assert SendGrad(3, 0, 4).peer() == RecvGrad(2, 0, 4)
+    assert RecvGrad(2, 0, 4).peer() == SendGrad(3, 0, 4)
+    for cls in (SendActivation, RecvActivation, SendGrad, RecvGrad):
+        ins = cls(2, 1, 1)
+        assert ins.is_comm and ins.peer().peer() == ins
+        assert ins.peer().stage == ins.peer_stage
+        assert ins.is_send != ins.is_recv
+    for ins in (ForwardSlice(0, 0, 0), OptimizerStep(0)):
+        assert not ins.is_comm
+        with pytest.raises(TypeError):
+            ins.peer()
+    assert ReduceTiedGrads(0).is_collective and OptimizerStep(0).is_collective
+    assert not ReduceGrads(0).is_collective
+
+
+def test_instructions_are_frozen_and_hashable():
+    ins = ForwardSlice(0, 1, 2)
+    with pytest.raises(Exception):
+        ins.stage = 3  # type: ignore[misc]
+    assert len({ins, ForwardSlice(0, 1, 2), BackwardSlice(0, 1, 2)}) == 2
+    assert isinstance(ins, Instruction)
+
+
+# ---------------------------------------------------------------- orders
+
+def test_gpipe_step_shapes():
+    first, middle, last = (gpipe(3, i, 1, 2) for i in range(3))
+    assert format_schedule(first).splitlines()[:2] == ["0LOAD0.0 0F0.0 0SEND_F0.0",
+                                                       "0LOAD0.1 0F0.1 0SEND_F0.1"]
+    assert format_schedule(middle).splitlines()[0] == "1RECV_F0.0 1F0.0 1SEND_F0.0"
+    assert format_schedule(last).splitlines()[0] == "2RECV_F0.0 2LOAD0.0 2F0.0"
+    assert format_schedule(first).splitlines()[2] == "0RECV_B0.1 0B0.1"
+    assert format_schedule(middle).splitlines()[2] == "1RECV_B0.1 1B0.1 1SEND_B0.1"
+    assert format_schedule(last).splitlines()[2] == "2B0.1 2SEND_B0.1"
+    for steps, i in ((first, 0), (middle, 1), (last, 2)):
+        assert format_schedule(steps).splitlines()[-3:] == [f"{i}REDUCE_TIED", f"{i}REDUCE",
+                                                            f"{i}STEP"]
+    only = gpipe(1, 0, 1, 1)
+    assert format_schedule(only) == "0LOAD0.0 0F0.0\n0B0.0\n0REDUCE_TIED\n0REDUCE\n0STEP"
+
+
+@pytest.mark.parametrize("stages,microbatches,slices", [(1, 1, 1), (2, 3, 4), (4, 2, 5), (8, 8, 16)])
+def test_gpipe_forward_and_backward_orders(stages, microbatches, slices):
+    expected = [(m, j) for m in range(microbatches) for j in range(slices)]
+    for i in range(stages):
+        prog = flat(gpipe(stages, i, microbatches, slices))
+        fwd = [x.unit for x in prog if isinstance(x, ForwardSlice)]
+        bwd = [x.unit for x in prog if isinstance(x, BackwardSlice)]
+        assert fwd == expected
+        assert bwd == fwd[::-1]
+        last_f = max(k for k, x in enumerate(prog) if isinstance(x, ForwardSlice))
+        first_b = min(k for k, x in enumerate(prog) if isinstance(x, BackwardSlice))
+        assert last_f < first_b
+        loads = [x.unit for x in prog if isinstance(x, LoadSlice)]
+        assert loads == (expected if i in (0, stages - 1) else [])
+
+
+def test_build_schedule_errors():
+    with pytest.raises(ValueError, match=r"unknown schedule 'nope'.*gpipe"):
+        build_schedule("nope", 2, 0, 1, 1)
+    with pytest.raises(ValueError, match="stages=0"):
+        build_schedule("gpipe", 0, 0, 1, 1)
+    with pytest.raises(ValueError, match="stage_id=2, stages=2"):
+        build_schedule("gpipe", 2, 2, 1, 1)
+    with pytest.raises(ValueError, match="stage_id=-1"):
+        build_schedule("gpipe", 2, -1, 1, 1)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        build_schedule("gpipe", 2, 0, 0, 1)
+    with pytest.raises(ValueError, match="num_slices=-3"):
+        build_schedule("gpipe", 2, 0, 1, -3)
+    with pytest.raises(ValueError, match="num_slices must be an int, got 2.0"):
+        build_schedule("gpipe", 2, 0, 1, 2.0)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        check_schedule("1f1b-not-yet", 2, 1, 1)
+    assert "gpipe" in SCHEDULES
+
+
+# ---------------------------------------------------------------- simulator: passing
+
+def test_every_gpipe_schedule_passes_the_simulator():
+    for stages in range(1, 9):
+        for microbatches in range(1, 9):
+            for slices in range(1, 17):
+                result = check_schedule("gpipe", stages, microbatches, slices)
+                assert result.makespan == 2 * (microbatches * slices + stages - 1)
+
+
+@pytest.mark.parametrize("stages,microbatches,slices", [(1, 1, 1), (1, 3, 2), (2, 1, 8),
+                                                        (4, 2, 4), (5, 3, 7), (8, 1, 16)])
+def test_gpipe_makespan_formula(stages, microbatches, slices):
+    result = check_schedule("gpipe", stages, microbatches, slices)
+    n = microbatches * slices
+    assert result.makespan == 2 * (n + stages - 1)
+    compute = [(s, ins) for s, ins, _, _ in result.timeline
+               if isinstance(ins, (ForwardSlice, BackwardSlice))]
+    assert len(compute) == 2 * n * stages
+    for stage, ins, start, end in result.timeline:
+        assert end - start == (1.0 if isinstance(ins, (ForwardSlice, BackwardSlice)) else 0.0)
+
+
+def test_uneven_durations_and_comm_time():
+    # T = sum t_j + (K - 1) max t_j for forward and backward each (no comm cost).
+    costs = [4.0, 3.0, 2.0, 1.0]
+    dur = lambda ins: costs[ins.slice] if isinstance(ins, (ForwardSlice, BackwardSlice)) else 0.0
+    result = check_schedule("gpipe", 3, 1, 4, duration=dur)
+    assert result.makespan == 2 * (sum(costs) + 2 * max(costs))
+    # A comm cost only adds time; the order is unchanged.
+    slow = check_schedule("gpipe", 3, 1, 4, duration=dur, comm_time=lambda ins: 0.5)
+    assert slow.makespan > result.makespan
+    assert slow.rounds == result.rounds
+
+
+def test_grid_of_a_passing_schedule():
+    result = check_schedule("gpipe", 2, 1, 2)
+    lines = result.grid.splitlines()
+    assert "stage 0" in lines[0] and "stage 1" in lines[0]
+    assert len(lines) == 2 + result.rounds
+    assert "0SEND_F0.0" in lines[4] and "1RECV_F0.0" in lines[4]
+    assert "0STEP" in lines[-1] and "1STEP" in lines[-1]
+    # fixed width: every column separator lines up
+    bars = {tuple(k for k, ch in enumerate(line) if ch == "|") for line in lines if "|" in line}
+    assert len({b[:1] for b in bars}) == 1
+
+
+# ---------------------------------------------------------------- simulator: failing
+
+def broken(stages=2, microbatches=2, slices=3):
+    return copy.deepcopy(all_stages("gpipe", stages, microbatches, slices))
+
+
+def remove(schedules, text):
+    target = parse_instruction(text)
+    for steps in schedules:
+        for step in steps:
+            if target in step:
+                step.remove(target)
+                return schedules
+    raise AssertionError(f"{text} not in schedules")
+
+
+def replace(schedules, old, new):
+    old_i, new_i = parse_instruction(old), parse_instruction(new)
+    for steps in schedules:
+        for step in steps:
+            if old_i in step:
+                step[step.index(old_i)] = new_i
+                return schedules
+    raise AssertionError(f"{old} not in schedules")
+
+
+def failure(schedules) -> str:
+    with pytest.raises(ScheduleError) as info:
+        simulate(schedules)
+    message = str(info.value)
+    header = next(line for line in message.splitlines() if line.lstrip().startswith("round"))
+    assert "stage 0" in header and "stage 1" in header
+    assert any(line.startswith("blocked") for line in message.splitlines()) or "missing" in message
+    return message
+
+
+def test_dropped_recv_activation():
+    msg = failure(remove(broken(), "1RECV_F0.1"))
+    assert msg.startswith("broken dependency: 1F0.1 before 1RECV_F0.1 on stage 1")
+    assert isinstance(ScheduleError("x"), ValueError)
+
+
+def test_swapped_backward_slices():
+    schedules = broken()
+    steps = schedules[1]
+    a = next(k for k, s in enumerate(steps) if BackwardSlice(1, 1, 2) in s)
+    b = next(k for k, s in enumerate(steps) if BackwardSlice(1, 1, 1) in s)
+    steps[a], steps[b] = steps[b], steps[a]
+    msg = failure(schedules)
+    assert "broken dependency: 1B1.1 before 1B1.2 on stage 1" in msg
+
+
+def test_dropped_send_grad():
+    msg = failure(remove(broken(), "1SEND_B1.1"))
+    assert msg.startswith("deadlock:")
+    assert "stage 0 waits on 0RECV_B1.1" in msg
+    assert "0RECV_B1.1 needs 1SEND_B1.1 on stage 1, but stage 1 is at 1SEND_B1.0" in msg
+
+
+def test_recv_for_the_wrong_unit():
+    msg = failure(replace(broken(), "1RECV_F0.1", "1RECV_F0.2"))
+    assert msg.startswith("deadlock: stage 0 waits on 0SEND_F0.1, stage 1 waits on 1RECV_F0.2")
+    blocked = next(line for line in msg.splitlines() if line.startswith("blocked"))
+    assert "0SEND_F0.1" in blocked and "1RECV_F0.2" in blocked
+
+
+def test_other_failures():
+    msg = failure(remove(broken(), "0F1.0"))
+    assert "broken dependency: 0SEND_F1.0 before 0F1.0 on stage 0" in msg
+    msg = failure(remove(broken(), "1B0.0"))
+    assert "broken dependency: 1SEND_B0.0 before 1B0.0 on stage 1" in msg
+    sched = broken()
+    sched[1].insert(0, [ForwardSlice(1, 0, 0)])
+    assert "broken dependency: 1F0.0 before 1RECV_F0.0" in failure(sched)
+    sched = broken()
+    sched[0].insert(2, [BackwardSlice(0, 0, 0)])
+    assert "broken dependency: 0B0.0 before 0RECV_B0.0 on stage 0" in failure(sched)
+    sched = broken()
+    sched[0].insert(1, [ReduceGrads(0)])
+    assert "broken dependency: 0REDUCE before 0B0.0 on stage 0" in failure(sched)
+    sched = broken()
+    sched[0].append([LoadSlice(0, 0, 0)])
+    assert "duplicate: 0LOAD0.0 executed twice on stage 0" in failure(sched)
+    sched = broken(stages=3)
+    sched[1].insert(0, [LoadSlice(1, 0, 0)])
+    assert "misplaced: 1LOAD0.0 on stage 1" in failure(sched)
+    sched = broken()
+    sched[1][-1] = [ReduceTiedGrads(1)]
+    msg = failure(sched)
+    assert "deadlock: stage 0 waits on 0STEP, stage 1 waits on 1REDUCE_TIED" in msg
+    sched = broken()
+    sched[0].insert(0, [SendGrad(0, 0, 0)])
+    assert "bad peer: 0SEND_B0.0 on stage 0 talks to stage -1" in failure(sched)
+
+
+def test_structural_errors():
+    sched = broken()
+    sched[0][0][0] = ForwardSlice(1, 0, 0)
+    with pytest.raises(ScheduleError, match="stage 0's schedule holds 1F0.0"):
+        simulate(sched)
+    with pytest.raises(ScheduleError, match="no stages"):
+        simulate([])
+    # a unit that one stage never computes
+    sched = all_stages("gpipe", 1, 1, 2) + []
+    sched[0] = [s for s in sched[0] if BackwardSlice(0, 0, 0) not in s]
+    with pytest.raises(ScheduleError, match=r"0REDUCE_TIED before 0B0.0"):
+        simulate(sched)
+    # without the final collectives, the end-of-run check still finds the lost backward
+    sched[0] = [s for s in sched[0] if not isinstance(s[0], (ReduceTiedGrads, ReduceGrads,
+                                                             OptimizerStep))]
+    with pytest.raises(ScheduleError) as info:
+        simulate(sched)
+    msg = str(info.value)
+    assert msg.startswith("missing work: unit (0, 0) appears on stage 0 but 0B0.0 never ran")
+    assert "round | stage 0" in msg

@@ -1,0 +1,136 @@
+"""Schedule orders: pure functions of integers that list one stage's instructions.
+
+An order has the signature ``order(stages, stage_id, microbatches, num_slices)``
+and returns a list of *steps*, each a list of instructions the stage executes in
+order. The work is made of *units* ``(microbatch, slice)``; each unit is
+forwarded once and backwarded once on every stage.
+
+Orders are registered in :data:`SCHEDULES`; :func:`build_schedule` validates the
+integers and dispatches by name. A new order (e.g. ``"1f1b"``) is one more
+function built from :func:`forward_step`, :func:`backward_step` and
+:func:`final_steps`, added to the registry; the simulator checks it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .instructions import (
+    BackwardSlice,
+    ForwardSlice,
+    Instruction,
+    LoadSlice,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+
+Step = list[Instruction]
+ScheduleFn = Callable[[int, int, int, int], list[Step]]
+
+
+def validate_schedule_args(stages: int, stage_id: int, microbatches: int, num_slices: int) -> None:
+    """Raise ValueError, showing the numbers, unless the schedule arguments make sense.
+
+    Requires ints with stages >= 1, 0 <= stage_id < stages, microbatches >= 1
+    and num_slices >= 1.
+    """
+    args = {"stages": stages, "stage_id": stage_id,
+            "microbatches": microbatches, "num_slices": num_slices}
+    for name, value in args.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got stages={stages}")
+    if not 0 <= stage_id < stages:
+        raise ValueError(
+            f"stage_id must satisfy 0 <= stage_id < stages, got stage_id={stage_id}, stages={stages}")
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got microbatches={microbatches}")
+    if num_slices < 1:
+        raise ValueError(f"num_slices must be >= 1, got num_slices={num_slices}")
+
+
+def units(microbatches: int, num_slices: int) -> list[tuple[int, int]]:
+    """All units ``(microbatch, slice)`` in microbatch-major order."""
+    return [(m, j) for m in range(microbatches) for j in range(num_slices)]
+
+
+def forward_step(stages: int, stage_id: int, microbatch: int, slice_: int) -> Step:
+    """The forward step of one unit on one stage.
+
+    ``[RecvActivation if not first] [LoadSlice if first or last] ForwardSlice
+    [SendActivation if not last]``.
+    """
+    first, last = stage_id == 0, stage_id == stages - 1
+    step: Step = []
+    if not first:
+        step.append(RecvActivation(stage_id, microbatch, slice_))
+    if first or last:
+        step.append(LoadSlice(stage_id, microbatch, slice_))
+    step.append(ForwardSlice(stage_id, microbatch, slice_))
+    if not last:
+        step.append(SendActivation(stage_id, microbatch, slice_))
+    return step
+
+
+def backward_step(stages: int, stage_id: int, microbatch: int, slice_: int) -> Step:
+    """The backward step of one unit on one stage.
+
+    ``[RecvGrad if not last] BackwardSlice [SendGrad if not first]``.
+    """
+    step: Step = []
+    if stage_id < stages - 1:
+        step.append(RecvGrad(stage_id, microbatch, slice_))
+    step.append(BackwardSlice(stage_id, microbatch, slice_))
+    if stage_id > 0:
+        step.append(SendGrad(stage_id, microbatch, slice_))
+    return step
+
+
+def final_steps(stage_id: int) -> list[Step]:
+    """The end of an iteration: tied-grad reduction, DP reduction, optimizer step (one step each)."""
+    return [[ReduceTiedGrads(stage_id)], [ReduceGrads(stage_id)], [OptimizerStep(stage_id)]]
+
+
+def gpipe(stages: int, stage_id: int, microbatches: int, num_slices: int) -> list[Step]:
+    """TeraPipe's GPipe order over (microbatch, slice) units.
+
+    All forwards in unit order (microbatch-major: m = 0..M-1, slice 0..S-1), then
+    all backwards in exactly the reverse unit order, then the final steps. With
+    every forward and backward costing t, one iteration takes
+    ``2 * (M*S + K - 1) * t`` on K stages.
+    """
+    validate_schedule_args(stages, stage_id, microbatches, num_slices)
+    order = units(microbatches, num_slices)
+    steps = [forward_step(stages, stage_id, m, j) for m, j in order]
+    steps += [backward_step(stages, stage_id, m, j) for m, j in reversed(order)]
+    steps += final_steps(stage_id)
+    return steps
+
+
+SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe}
+
+
+def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
+                   num_slices: int) -> list[Step]:
+    """Build stage ``stage_id``'s steps with the order registered as ``name``.
+
+    Raises ValueError naming the known orders for an unknown name, or showing the
+    numbers for invalid integers.
+    """
+    fn = SCHEDULES.get(name)
+    if fn is None:
+        known = ", ".join(sorted(SCHEDULES))
+        raise ValueError(f"unknown schedule {name!r}; known schedules: {known}")
+    validate_schedule_args(stages, stage_id, microbatches, num_slices)
+    return fn(stages, stage_id, microbatches, num_slices)
+
+
+def format_schedule(steps: list[Step]) -> str:
+    """One line per step, the instructions' string forms joined by spaces."""
+    return "\n".join(" ".join(str(ins) for ins in step) for step in steps)
