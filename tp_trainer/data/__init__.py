@@ -1,0 +1,22 @@
+"""Data pipeline: text sources -> tokenizer -> packed (input_ids, labels) blocks.
+
+    args = DataArgs(block_size=1024)                 # embedded stdlib corpus by default
+    tok = get_tokenizer(None, cache_dir=args.cache_dir)
+    train = build_lm_dataset(args, tok, "train")     # torch Dataset of (input_ids, labels)
+    print(train.summary())
+"""
+
+from .corpus import (DEFAULT_VALIDATION_FRACTION, DataArgs, DataConfigError, default_cache_dir,
+                     list_stdlib_files, load_text_dataset, read_source, stdlib_dataset,
+                     stdlib_files, stdlib_root)
+from .packing import PackedBlocks, build_lm_dataset, tokenize_dataset
+from .tokenizer import (DEFAULT_VOCAB_SIZE, EOS_TOKEN, default_tokenizer_path, get_tokenizer,
+                        load_or_train, train_bpe)
+
+__all__ = [
+    "DEFAULT_VALIDATION_FRACTION", "DEFAULT_VOCAB_SIZE", "EOS_TOKEN", "DataArgs",
+    "DataConfigError", "PackedBlocks", "build_lm_dataset", "default_cache_dir",
+    "default_tokenizer_path", "get_tokenizer", "list_stdlib_files", "load_or_train",
+    "load_text_dataset", "read_source", "stdlib_dataset", "stdlib_files", "stdlib_root",
+    "tokenize_dataset", "train_bpe",
+]
