@@ -1,0 +1,58 @@
+"""Shared by the exactness worker (pipeline ranks) and the test (plain HF model, one process)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+SEQ_LEN = 16
+MICRO_BATCH = 2
+VOCAB = 64
+STEPS = 3
+LR = 1e-3
+# Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (e.g. the key bias:
+# softmax ignores a constant added to every key) is float noise of ~1e-9 in both runs, and with a
+# tiny eps its update is +-lr whatever the noise (measured: eps 1e-8 -> params differ by 0.2 lr).
+# The update of such an element is ~lr * noise / eps; eps = 1e-5 keeps it 10x under the 1e-5 bound
+# (measured 1.1e-5 relative with eps 1e-6 on the zero-initialised c_attn bias).
+ADAM_EPS = 1e-5
+CLIP = 1.0  # DeepSpeed's default gradient_clipping; the global norm spans every stage
+SLICES = {"one": [16], "uniform4": "uniform:4", "uneven": [7, 5, 3, 1]}
+
+
+def cases(stages: int) -> list[dict]:
+    """Every (microbatches, slices, tied) combination for one stage count."""
+    out = []
+    for micro, slices, tied in itertools.product((1, 3), SLICES, (True, False)):
+        out.append({"name": f"pp{stages}-mb{micro}-{slices}-{'tied' if tied else 'untied'}", "stages": stages,
+                    "microbatches": micro, "slices": SLICES[slices], "tied": tied})
+    return out
+
+
+def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
+    config = GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ_LEN,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config).float()
+
+
+def batches(case: dict, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Microbatches (input_ids, labels) of one step: blocks of SEQ_LEN + 1 tokens, shifted."""
+    gen = torch.Generator().manual_seed(1000 * step + 7)
+    blocks = torch.randint(0, VOCAB, (case["microbatches"], MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in blocks]
+
+
+def ds_config(case: dict) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": case["microbatches"],
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "weight_decay": 0.01, "torch_adam": True}},
+        "gradient_clipping": CLIP,
+        "pipeline": {"stages": case["stages"]},
+        "steps_per_print": 1000,
+        "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": "gpipe"},
+    }

@@ -1,0 +1,39 @@
+"""Start a few ranks of a worker script on this machine (gloo on CPU), as the launcher would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600) -> list[str]:
+    """Run ``python script args`` as ``world_size`` ranks; return each rank's output; fail on error."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        if proc.returncode != 0:
+            raise AssertionError(f"rank {rank} of {script} exited {proc.returncode}:\n{out[-6000:]}")
+    return outputs

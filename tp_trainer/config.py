@@ -1,0 +1,99 @@
+"""The ``terapipe`` section of the DeepSpeed JSON config, read and checked before any work.
+
+Example (inside the DeepSpeed config):
+
+    "pipeline": {"stages": 2},
+    "terapipe": {"seq_len": 256, "slices": "uniform:4", "schedule": "gpipe"}
+
+Every error is a ``ConfigError`` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+from .plan import PlanError, SlicePlan, parse_slices
+from .schedule import SCHEDULES
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; raised before any process group, model or file is touched."""
+
+
+@dataclass
+class TeraPipeConfig:
+    """Token-slice pipelining options (the ``terapipe`` section)."""
+
+    seq_len: int = 1024
+    """Tokens per training sequence (block size); the model must have at least this many positions."""
+
+    slices: object = "uniform:1"
+    """Slice lengths: a list of positive ints summing to seq_len, or "uniform:N"."""
+
+    schedule: str = "gpipe"
+    """Order of the (microbatch, slice) units: "gpipe" (TeraPipe: all forwards, then all backwards)."""
+
+    def __post_init__(self):
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
+            raise ConfigError(f"terapipe.seq_len: must be a positive integer, got {self.seq_len!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"terapipe.schedule: unknown schedule {self.schedule!r}; "
+                              f"use one of {sorted(SCHEDULES)}")
+        try:
+            self.slice_lengths = parse_slices(self.slices, self.seq_len)
+            SlicePlan(self.seq_len, self.slice_lengths)
+        except PlanError as err:
+            raise ConfigError(str(err)) from None
+
+    @classmethod
+    def from_section(cls, section: dict | None) -> "TeraPipeConfig":
+        section = dict(section or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"terapipe: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**section)
+
+    def plan(self, microbatches: int, microbatch_size: int) -> SlicePlan:
+        return SlicePlan(self.seq_len, tuple(self.slice_lengths), microbatches, microbatch_size)
+
+
+def load_ds_config(config) -> dict:
+    """The DeepSpeed config as a dict, from a dict or a JSON file path, with clear errors."""
+    if isinstance(config, dict):
+        return config
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config: file {path!r} does not exist; pass the path of a DeepSpeed "
+                          f"JSON config (see ds_configs/)")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--deepspeed_config: {path} is not valid JSON ({err.msg} at line {err.lineno}, "
+                          f"column {err.colno}); fix the file") from None
+
+
+def pipeline_stages(ds_config: dict, world_size: int) -> int:
+    """Number of pipeline stages from DeepSpeed's ``pipeline.stages`` ("auto" = every rank)."""
+    stages = ds_config.get("pipeline", {}).get("stages", "auto")
+    if stages == "auto":
+        return world_size
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ConfigError(f"pipeline.stages: must be a positive integer or \"auto\", got {stages!r}")
+    if world_size % stages:
+        raise ConfigError(f"pipeline.stages: world size {world_size} is not divisible by {stages} stages; "
+                          f"launch a multiple of {stages} ranks or change pipeline.stages")
+    return stages
+
+
+def check_zero_stage(ds_config: dict) -> None:
+    """DeepSpeed's pipeline engine allows ZeRO stage 0 or 1 only."""
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1):
+        raise ConfigError(f"zero_optimization.stage: {stage} cannot be combined with pipeline parallelism "
+                          f"(DeepSpeed partitions gradients across the pipeline's micro-steps only for "
+                          f"stage <= 1); use \"stage\": 1 (optimizer-state partitioning)")

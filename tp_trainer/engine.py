@@ -1,0 +1,207 @@
+"""TeraPipeEngine: DeepSpeed's PipelineEngine running token-slice schedules.
+
+The engine executes the instructions of a schedule (``tp_trainer.schedule``) through one dispatch
+table and refuses anything else. Everything that is not slicing stays DeepSpeed's: the optimizer
+(ZeRO-1, bf16/fp16), the data-parallel and tied-gradient reductions, checkpoints and monitors.
+
+Shapes are known on both sides from the plan: slice (m, j) carries an activation of shape
+(microbatch_size, slices[j], hidden) in the compute dtype, so no metadata is exchanged.
+Loss: each slice contributes sum(cross-entropy over its tokens) / (tokens of a microbatch), so a
+microbatch's slices add up to its mean loss; DeepSpeed divides by the number of microbatches and
+averages over replicas, giving the mean over all predicted tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe import p2p
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from .model.slice_cache import SequenceKV
+from .plan import SlicePlan
+from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
+                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule)
+
+
+def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
+    """Cross-entropy summed over the slice's tokens, in fp32, divided by a microbatch's tokens."""
+    summed = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    return summed / tokens_per_microbatch
+
+
+class TeraPipeEngine(PipelineEngine):
+    """A PipelineEngine whose unit of work is one token slice of one microbatch."""
+
+    def __init__(self, *args, plan: SlicePlan, schedule: str = "gpipe", hidden_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
+            raise ValueError(f"plan {plan} disagrees with the DeepSpeed config: gradient_accumulation_steps="
+                             f"{self.micro_batches}, train_micro_batch_size_per_gpu={self.micro_batch_size}")
+        self.plan = plan
+        self.schedule_name = schedule
+        self.hidden_size = hidden_size
+        self.slice_context = self.module.slice_context
+        self._offsets = plan.offsets
+        self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
+        self._reset_step_state()
+
+    # ----------------------------------------------------------------------------- schedule
+    def _train_schedule(self):
+        return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
+                              self.plan.num_slices)
+
+    def _exec_schedule(self, steps):
+        self._reset_step_state()
+        self.tput_timer.start()
+        for step in steps:
+            for instruction in step:
+                handler = self._DISPATCH.get(type(instruction))
+                if handler is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
+                handler(self, instruction)
+
+    def _reset_step_state(self):
+        self._batches = {}     # microbatch -> (input_ids, labels), both (b, seq_len), first/last stage
+        self._next_microbatch = 0
+        self._kv = {}          # microbatch -> SequenceKV of this stage's attention layers
+        self._inputs = {}      # (m, j) -> slice input: ids on the first stage, else received activation
+        self._labels = {}      # (m, j) -> label slice (last stage)
+        self._outputs = {}     # (m, j) -> slice output kept for send and backward
+        self._losses = {}      # (m, j) -> slice loss (last stage)
+        self._out_grads = {}   # (m, j) -> gradient received for the output
+        self.fwd_outputs = []
+
+    def _slice_shape(self, j: int) -> tuple[int, int, int]:
+        return (self.plan.microbatch_size, self.plan.slices[j], self.hidden_size)
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.bfloat16_enabled():
+            return torch.bfloat16
+        return torch.half if self.fp16_enabled() else torch.float32
+
+    # ----------------------------------------------------------------------------- clipping
+    def clip_fp32_gradients(self):
+        """Clip by the norm of the WHOLE model's gradient, as torch.nn.utils.clip_grad_norm_ would.
+
+        DeepSpeed's fp32 path sums squared norms over the tensor-parallel group only, so each
+        pipeline stage would clip by its own norm. Here the squares are summed over the stages,
+        with a tied weight counted on its first stage only.
+        """
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        duplicates = {id(p) for p in self._tied_duplicates()}
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if id(p) not in duplicates:
+                squares += p.grad.detach().float().pow(2).sum()
+        if self.is_pipe_parallel:
+            dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
+        coef = (self.gradient_clipping() / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        self._global_grad_norm = squares.sqrt().item()
+
+    def _tied_duplicates(self):
+        """Tied weights held by this stage that another (lower) stage also holds."""
+        for comm in self.module.tied_comms.values():
+            if self.global_rank != min(comm["ranks"]):
+                for attr in comm["weight_attr"]:
+                    yield self.module._recursive_getattr(comm["module"], attr)
+
+    # ----------------------------------------------------------------------------- handlers
+    def _exec_load_slice(self, cmd: LoadSlice):
+        m, j = cmd.microbatch, cmd.slice
+        if m not in self._batches:
+            if m != self._next_microbatch:
+                raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
+            input_ids, labels = self._next_batch()
+            self._batches[m] = (input_ids.to(self.device), labels.to(self.device))
+            self._next_microbatch += 1
+        input_ids, labels = self._batches[m]
+        window = slice(self._offsets[j], self._offsets[j] + self.plan.slices[j])
+        if self.is_first_stage():
+            self._inputs[(m, j)] = input_ids[:, window]
+        if self.is_last_stage():
+            self._labels[(m, j)] = labels[:, window]
+        if j == self.plan.num_slices - 1:
+            del self._batches[m]
+
+    def _exec_forward_slice(self, cmd: ForwardSlice):
+        m, j = cmd.microbatch, cmd.slice
+        kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
+        self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
+        outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+        if self.is_last_stage():
+            loss = slice_loss(outputs, self._labels.pop((m, j)), self._tokens_per_microbatch)
+            self._losses[(m, j)] = loss
+            self.loss = loss
+            self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
+            self.fwd_outputs.append(loss.detach())
+        else:
+            self._outputs[(m, j)] = outputs
+
+    def _exec_send_activation(self, cmd: SendActivation):
+        p2p.send(self._outputs[(cmd.microbatch, cmd.slice)].contiguous(), self.next_stage)
+
+    def _exec_recv_activation(self, cmd: RecvActivation):
+        buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
+        p2p.recv(buffer, self.prev_stage)
+        self._inputs[(cmd.microbatch, cmd.slice)] = buffer.requires_grad_()
+
+    def _exec_backward_slice(self, cmd: BackwardSlice):
+        m, j = cmd.microbatch, cmd.slice
+        if self.is_last_stage():
+            DeepSpeedEngine.backward(self, self._losses.pop((m, j)))
+        else:
+            self._backward_outputs(self._outputs.pop((m, j)), self._out_grads.pop((m, j)))
+        if j == 0:  # every later slice of m has run its backward: the K/V store is done
+            del self._kv[m]
+        if self.is_first_stage():
+            del self._inputs[(m, j)]
+
+    def _backward_outputs(self, outputs: torch.Tensor, grad: torch.Tensor):
+        """outputs.backward(grad) the way DeepSpeed's pipeline engine does for inner stages."""
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._running_engine_backward = True
+        try:
+            outputs.backward(gradient=grad)
+        finally:
+            self._running_engine_backward = False
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _exec_send_grad(self, cmd: SendGrad):
+        received = self._inputs.pop((cmd.microbatch, cmd.slice))
+        p2p.send(received.grad.contiguous(), self.prev_stage)
+
+    def _exec_recv_grad(self, cmd: RecvGrad):
+        buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
+        p2p.recv(buffer, self.next_stage)
+        self._out_grads[(cmd.microbatch, cmd.slice)] = buffer
+
+    def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
+        self._exec_reduce_tied_grads()
+
+    def _exec_reduce(self, cmd: ReduceGrads):
+        self._exec_reduce_grads()
+
+    def _exec_step(self, cmd: OptimizerStep):
+        self._exec_optimizer_step()
+
+    _DISPATCH = {
+        LoadSlice: _exec_load_slice,
+        ForwardSlice: _exec_forward_slice,
+        BackwardSlice: _exec_backward_slice,
+        SendActivation: _exec_send_activation,
+        RecvActivation: _exec_recv_activation,
+        SendGrad: _exec_send_grad,
+        RecvGrad: _exec_recv_grad,
+        ReduceTiedGrads: _exec_reduce_tied,
+        ReduceGrads: _exec_reduce,
+        OptimizerStep: _exec_step,
+    }
+
+    def eval_batch(self, *args, **kwargs):
+        raise NotImplementedError("TeraPipeEngine does not evaluate through the pipeline yet")

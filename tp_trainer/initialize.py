@@ -1,0 +1,80 @@
+"""``tp_trainer.initialize``: deepspeed.initialize for a TeraPipe run.
+
+Order matters: every check that can fail on the user's input (config JSON, the terapipe section,
+ZeRO stage, stage count against world size and model depth, sequence length against the model's
+positions) runs before the process group, the model split or any file is touched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+
+from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
+from .engine import TeraPipeEngine
+from .model.pipeline import build_pipeline_module
+
+
+def model_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings allow (None: no fixed limit)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+def model_depth(config) -> int:
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def check_run(ds_config: dict, model_config, world_size: int) -> tuple[TeraPipeConfig, int]:
+    """All input checks of a run; returns the terapipe options and the number of stages."""
+    check_zero_stage(ds_config)
+    terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe"))
+    positions = model_positions(model_config)
+    if positions is not None and terapipe.seq_len > positions:
+        raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} exceeds the model's {positions} positions; "
+                          f"use a sequence length <= {positions}")
+    stages = pipeline_stages(ds_config, world_size)
+    depth = model_depth(model_config)
+    if stages > depth:
+        raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
+                          f"use at most {depth} stages")
+    return terapipe, stages
+
+
+def launch_world_size() -> int:
+    """World size as set by the launcher (before the process group exists)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(model, config, args=None, training_data=None, optimizer=None, lr_scheduler=None,
+               collate_fn=None, dist_init_required=None):
+    """Split ``model`` (an HF causal LM) into pipeline stages and build a TeraPipeEngine.
+
+    ``config``: the DeepSpeed config (dict or JSON path) with a ``terapipe`` section.
+    Returns (engine, optimizer, training_dataloader, lr_scheduler) like ``deepspeed.initialize``.
+    """
+    ds_config = load_ds_config(config)
+    terapipe, stages = check_run(ds_config, model.config, launch_world_size())
+    ds_config = {key: value for key, value in ds_config.items() if key != "terapipe"}
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               dist_init_required=dist_init_required)
+    module = build_pipeline_module(model, stages)
+    config_class = DeepSpeedConfig(ds_config, module.mpu())
+    deepspeed.set_optimizer_flags(config_class, module)
+    plan = terapipe.plan(config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu)
+    engine = TeraPipeEngine(args=args, model=module, optimizer=optimizer,
+                            model_parameters=[p for p in module.parameters() if p.requires_grad],
+                            training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
+                            dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
+                            config_class=config_class, plan=plan, schedule=terapipe.schedule,
+                            hidden_size=model.config.hidden_size)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,39 @@
+"""GPT-2 as pipeline layers: the HF modules of ``GPT2LMHeadModel``, unchanged, in stage order.
+
+Layer list (names as in ``split.py``):
+    embed  transformer.wte   token embedding (tied with the LM head when the config ties them)
+    pos    transformer.wpe   learned positions at the slice's offsets, + embedding dropout
+    h.i    transformer.h.i   GPT2Block, attending to earlier slices through the slice cache
+    norm   transformer.ln_f
+    head   lm_head           or, when tied, the embedding's weight used as the output projection
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .layers import DecoderBlock, FinalNorm, LearnedPositions, LMHead, SliceContext, TokenEmbedding, tied_lm_head
+
+PREFIX = ("embed", "pos")
+SUFFIX = ("norm", "head")
+
+
+def gpt2_layer_specs(model, ctx: SliceContext) -> list:
+    """DeepSpeed layer specs for a ``GPT2LMHeadModel`` (its submodules are reused, not copied)."""
+    config, body = model.config, model.transformer
+    tied = bool(config.tie_word_embeddings)
+    embed_args = (TokenEmbedding, body.wte, "transformer.wte", ctx)
+    if tied:
+        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
+        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
+    else:
+        embed = LayerSpec(*embed_args)
+        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    blocks = [LayerSpec(DecoderBlock, block, f"transformer.h.{i}", ctx) for i, block in enumerate(body.h)]
+    return [
+        embed,
+        LayerSpec(LearnedPositions, body.wpe, "transformer.wpe", ctx, dropout=config.embd_pdrop),
+        *blocks,
+        LayerSpec(FinalNorm, body.ln_f, "transformer.ln_f", ctx),
+        head,
+    ]

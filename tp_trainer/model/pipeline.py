@@ -1,0 +1,51 @@
+"""The stage's PipelineModule: DeepSpeed's, with the layer split of ``split.py``."""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.utils import logger
+
+from .gpt2 import PREFIX, SUFFIX, gpt2_layer_specs
+from .layers import HFPart, SliceContext
+from .split import StageSplit, split_for_config
+
+
+class TeraPipeModule(PipelineModule):
+    """A PipelineModule whose stage boundaries come from a ``StageSplit`` (not DeepSpeed's methods).
+
+    ``slice_context`` is shared by the layers of this stage; the engine sets it per slice.
+    The class name must not be ``GPT2ModelPipe``: DeepSpeed then assumes an attention-mask input.
+    """
+
+    def __init__(self, layers, split: StageSplit, slice_context: SliceContext, **kwargs):
+        self.stage_split = split  # read by _partition_layers during super().__init__
+        self.slice_context = slice_context
+        super().__init__(layers, num_stages=len(split.parts) - 1, partition_method="terapipe", **kwargs)
+
+    def _partition_layers(self, method="terapipe"):
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self.parts = list(self.stage_split.parts)
+        if self.global_rank == 0:
+            for stage, names in enumerate(self.stage_split.names):
+                logger.info(f"stage {stage}: {' '.join(names)} (cost ~{self.stage_split.costs[stage]:.3g}/token)")
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, **kwargs) -> TeraPipeModule:
+    """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages."""
+    impl = attn_implementation or model.config._attn_implementation or "sdpa"
+    ctx = SliceContext(impl)
+    split = split_for_config(model.config, stages, PREFIX, SUFFIX)
+    return TeraPipeModule(gpt2_layer_specs(model, ctx), split, ctx, **kwargs)
+
+
+def hf_named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters by their names in the HF model (tied weights appear once)."""
+    named = {}
+    for part in module.modules():
+        if isinstance(part, HFPart):
+            params = dict(part.inner.named_parameters())
+            for local, hf_name in part.hf_parameter_names().items():
+                named[hf_name] = params[local]
+    return named

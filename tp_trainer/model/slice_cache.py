@@ -1,0 +1,127 @@
+"""Attention over earlier token slices, with the HF attention layers unchanged.
+
+TeraPipe runs a sequence of length L as slices s_1..s_S. Inside a stage, slice j attends to the
+keys/values of slices < j of the same sequence, and its gradient must flow back into them.
+
+How it works here, per microbatch and per attention layer of the stage:
+- ``SequenceKV`` holds a preallocated buffer K, V of shape (b, heads, L, head_dim) and two
+  gradient accumulators of the same shape. Memory is linear in L: each slice's K/V is written
+  once, no per-slice copies of the context.
+- The HF attention calls ``cache.update(k, v, layer_idx)`` with this slice's k, v of shape
+  (b, heads, l, head_dim). ``_AppendKV`` writes them into the buffer at [c, c+l) and returns a
+  view of [0, c+l) that aliases the buffer (no copy of the context).
+- Backward of that view (coming from the attention of this slice) gives a gradient of shape
+  (b, heads, c+l, head_dim). The context part [0, c) is added into the accumulator (it belongs
+  to earlier slices, whose backward runs later); the own part [c, c+l) plus what later slices
+  accumulated there is returned as the gradient of this slice's k, v.
+Because backward runs slices of a sequence in reverse order, when slice j's backward reaches
+``_AppendKV`` every later slice has already added its contribution to [c, c+l).
+
+The returned view gets a fresh autograd version counter (``Tensor.set_`` on the storage), so
+writing the next slice into [c+l, ...) does not invalidate tensors saved for backward: the region
+they read never changes within a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+
+
+def _alias(buffer: torch.Tensor, length: int) -> torch.Tensor:
+    """A tensor reading buffer[:, :, :length] with its own version counter (no copy)."""
+    view = buffer[:, :, :length]
+    out = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    out.set_(buffer.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+    return out
+
+
+class _AppendKV(torch.autograd.Function):
+    """Write this slice's k, v into the sequence buffers; return the K/V of slices <= this one."""
+
+    @staticmethod
+    def forward(ctx, key, value, kv: "SequenceKV", layer_idx: int, start: int):
+        keys, values, _, _ = kv.tensors(layer_idx, key)
+        stop = start + key.shape[2]
+        keys[:, :, start:stop].copy_(key)
+        values[:, :, start:stop].copy_(value)
+        ctx.kv, ctx.layer_idx, ctx.start, ctx.stop = kv, layer_idx, start, stop
+        return _alias(keys, stop), _alias(values, stop)
+
+    @staticmethod
+    def backward(ctx, grad_keys, grad_values):
+        _, _, acc_k, acc_v = ctx.kv.tensors(ctx.layer_idx)
+        start, stop = ctx.start, ctx.stop
+        grads = []
+        for grad, acc in ((grad_keys, acc_k), (grad_values, acc_v)):
+            if start > 0:  # gradient for earlier slices: their backward comes later
+                acc[:, :, :start].add_(grad[:, :, :start])
+            grads.append(grad[:, :, start:stop] + acc[:, :, start:stop])
+        return grads[0], grads[1], None, None, None
+
+
+@dataclass
+class SequenceKV:
+    """K/V buffers and their gradient accumulators for one microbatch on one stage.
+
+    ``seq_len`` is the full sequence length L; buffers are allocated lazily per layer on the
+    first write, with the shape (b, heads, L, head_dim) taken from the first slice's keys.
+    Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
+    """
+
+    seq_len: int
+    layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def tensors(self, layer_idx: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        if layer_idx not in self.layers:
+            if like is None:
+                raise KeyError(f"layer {layer_idx} has no K/V yet: backward before forward?")
+            b, heads, _, dim = like.shape
+            shape = (b, heads, self.seq_len, dim)
+            keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+            values = torch.empty_like(keys)
+            self.layers[layer_idx] = (keys, values, torch.zeros_like(keys), torch.zeros_like(keys))
+        return self.layers[layer_idx]
+
+
+class SliceCache(Cache):
+    """The ``past_key_values`` given to HF attention layers while one slice runs.
+
+    ``start`` is the number of tokens before this slice (the context length c). HF attention
+    calls ``update(key, value, layer_idx)`` once per layer; it returns the K/V of [0, c + l).
+    """
+
+    def __init__(self, kv: SequenceKV, start: int):
+        super().__init__(layers=[])
+        self.kv = kv
+        self.start = start
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return _AppendKV.apply(key_states, value_states, self.kv, layer_idx, self.start)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def slice_attention_mask(start: int, length: int, device, dtype=torch.bool):
+    """Causal mask of one slice against its context: query i sees keys 0 .. start + i.
+
+    Shape (1, 1, length, start + length). Boolean (True = attend) for SDPA; for eager attention
+    pass a float dtype and get the additive form (0 where allowed, dtype min elsewhere).
+    Returns None for a boolean first slice (start == 0): HF's SDPA path then takes the fast
+    ``is_causal`` kernel, the same one the unsliced model uses. Eager attention always needs a mask.
+    """
+    if start == 0 and dtype == torch.bool:
+        return None
+    allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)
+    allowed = allowed[None, None]
+    if dtype == torch.bool:
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)

@@ -1,0 +1,107 @@
+"""Splitting a decoder-only LM into pipeline stages: a pure function of the config.
+
+The pipeline layer list of a model with N decoder blocks is
+
+    [*prefix, "h.0", ..., "h.{N-1}", *suffix]      e.g. GPT-2: prefix ("embed", "pos"),
+                                                        suffix ("norm", "head")
+
+The prefix (token / position embeddings) always sits on the first stage, the suffix (final norm
+and LM head) on the last. Every stage holds at least one block, so stages <= N.
+
+Blocks are assigned to balance an estimate of per-token cost (multiply-adds):
+  block: 12 * hidden^2   (q/k/v/out projections 4 h^2 + MLP 8 h^2 with the usual 4h inner size;
+                          the attention term grows with context and is the same for every block)
+  head:  vocab * hidden  (the LM head is heavy: vocab 50257 x 768 is ~5.5 GPT-2-small blocks)
+  embed, norm: ~0        (lookups and one LayerNorm)
+The split minimizes the most expensive stage (contiguous partition, O(stages * N^2) DP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Which pipeline layers each stage holds.
+
+    ``names[s]`` are the layer names of stage s; ``parts`` are the boundaries into the full layer
+    list (stage s holds layers parts[s] .. parts[s+1]-1), the form DeepSpeed's PipelineModule
+    uses; ``costs[s]`` is the estimated per-token cost of stage s.
+    """
+
+    names: tuple[tuple[str, ...], ...]
+    parts: tuple[int, ...]
+    costs: tuple[float, ...]
+
+
+PREFIX = ("embed", "pos")
+SUFFIX = ("norm", "head")
+
+
+def layer_names(num_blocks: int, prefix=PREFIX, suffix=SUFFIX) -> list[str]:
+    """The pipeline layer list for a model with ``num_blocks`` decoder blocks."""
+    return [*prefix, *(f"h.{i}" for i in range(num_blocks)), *suffix]
+
+
+def block_cost(hidden: int, intermediate: int | None = None) -> float:
+    """Per-token multiply-adds of one decoder block, ignoring the attention-over-context term."""
+    inner = intermediate if intermediate else 4 * hidden
+    return 4.0 * hidden * hidden + 2.0 * hidden * inner
+
+
+def split_stages(num_blocks: int, stages: int, hidden: int, vocab: int,
+                 intermediate: int | None = None, prefix=PREFIX, suffix=SUFFIX) -> StageSplit:
+    """Assign ``num_blocks`` blocks (plus embed/norm/head) to ``stages`` contiguous stages."""
+    if stages < 1:
+        raise ValueError(f"pipeline stages must be >= 1, got {stages}")
+    if stages > num_blocks:
+        raise ValueError(
+            f"pipeline stages ({stages}) exceed the model's decoder layers ({num_blocks}): every stage "
+            f"needs at least one layer; set pipeline.stages <= {num_blocks} in the DeepSpeed config")
+    per_block = block_cost(hidden, intermediate)
+    head = float(vocab) * hidden
+    counts = _balanced_counts(num_blocks, stages, per_block, head)
+    return _assemble(counts, per_block, head, tuple(prefix), tuple(suffix))
+
+
+def split_for_config(config, stages: int, prefix=PREFIX, suffix=SUFFIX) -> StageSplit:
+    """``split_stages`` for a Hugging Face config (GPT-2 names or the common ones)."""
+    num_blocks = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    return split_stages(num_blocks, stages, hidden, config.vocab_size, inner, prefix, suffix)
+
+
+def _balanced_counts(num_blocks: int, stages: int, per_block: float, head: float) -> list[int]:
+    """Blocks per stage minimizing the max stage cost; ties prefer earlier stages fuller."""
+    # best[k][n] = (max cost, counts) for the first n blocks on the first k stages (no head)
+    inf = float("inf")
+    best = [[(inf, [])] * (num_blocks + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, [])
+    for k in range(1, stages + 1):
+        for n in range(k, num_blocks + 1):
+            for last in range(1, n - k + 2):
+                prev_cost, prev_counts = best[k - 1][n - last]
+                extra = head if (k == stages) else 0.0
+                cost = max(prev_cost, last * per_block + extra)
+                if cost < best[k][n][0]:
+                    best[k][n] = (cost, prev_counts + [last])
+    return best[stages][num_blocks][1]
+
+
+def _assemble(counts: list[int], per_block: float, head: float, prefix: tuple, suffix: tuple) -> StageSplit:
+    names, parts, costs = [], [0], []
+    block = 0
+    for stage, count in enumerate(counts):
+        stage_names = list(prefix) if stage == 0 else []
+        stage_names += [f"h.{i}" for i in range(block, block + count)]
+        block += count
+        cost = count * per_block
+        if stage == len(counts) - 1:
+            stage_names += list(suffix)
+            cost += head
+        names.append(tuple(stage_names))
+        parts.append(parts[-1] + len(stage_names))
+        costs.append(cost)
+    return StageSplit(tuple(names), tuple(parts), tuple(costs))
