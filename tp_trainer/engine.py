@@ -142,7 +142,8 @@ class TeraPipeEngine(PipelineEngine):
             self._outputs[(m, j)] = outputs
 
     def _exec_send_activation(self, cmd: SendActivation):
-        p2p.send(self._outputs[(cmd.microbatch, cmd.slice)].contiguous(), self.next_stage)
+        # detach: the send must not enter the autograd graph (gloo's p2p may be a broadcast_)
+        p2p.send(self._outputs[(cmd.microbatch, cmd.slice)].detach().contiguous(), self.next_stage)
 
     def _exec_recv_activation(self, cmd: RecvActivation):
         buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)

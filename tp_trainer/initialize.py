@@ -19,6 +19,9 @@ from .engine import TeraPipeEngine
 from .model.pipeline import build_pipeline_module
 
 
+SUPPORTED_MODEL_TYPES = {"gpt2"}
+
+
 def model_positions(config) -> int | None:
     """The longest sequence the model's position embeddings allow (None: no fixed limit)."""
     for name in ("n_positions", "max_position_embeddings"):
@@ -35,6 +38,9 @@ def model_depth(config) -> int:
 def check_run(ds_config: dict, model_config, world_size: int) -> tuple[TeraPipeConfig, int]:
     """All input checks of a run; returns the terapipe options and the number of stages."""
     check_zero_stage(ds_config)
+    if getattr(model_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model: model_type {getattr(model_config, 'model_type', None)!r} has no pipeline "
+                          f"adapter; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe"))
     positions = model_positions(model_config)
     if positions is not None and terapipe.seq_len > positions:
@@ -64,7 +70,6 @@ def initialize(model, config, args=None, training_data=None, optimizer=None, lr_
     """
     ds_config = load_ds_config(config)
     terapipe, stages = check_run(ds_config, model.config, launch_world_size())
-    ds_config = {key: value for key, value in ds_config.items() if key != "terapipe"}
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                dist_init_required=dist_init_required)
     module = build_pipeline_module(model, stages)

@@ -1,0 +1,54 @@
+"""Train a GPT-2-style causal LM with TeraPipe token-slice pipelining inside DeepSpeed.
+
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/gpt2_tiny_cpu.json
+
+Defaults: a randomly initialised "gpt2-tiny" on the embedded corpus (the Python standard library
+of the running interpreter, tokenized with a BPE tokenizer trained on it once and cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+
+from tp_trainer.run import RunArgs, run  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_name_or_path", help="HF checkpoint: hub id or local save_pretrained directory")
+    model.add_argument("--config_name", default="gpt2-tiny", help="preset for random init (see tp_trainer/model/presets.py)")
+    model.add_argument("--tokenizer_name", help="HF tokenizer (hub id or local dir); default: the embedded BPE")
+    data = parser.add_argument_group("data")
+    data.add_argument("--dataset_name", help="hub dataset name")
+    data.add_argument("--dataset_config_name", help="hub dataset config")
+    data.add_argument("--train_file", help="local .txt/.json/.jsonl/.csv/.parquet file")
+    data.add_argument("--validation_file", help="local validation file (same formats)")
+    data.add_argument("--block_size", type=int, help="sequence length; overrides terapipe.seq_len")
+    train = parser.add_argument_group("training")
+    train.add_argument("--max_steps", type=int, default=30, help="optimizer steps to run (default 30)")
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--output_dir", default="runs/latest", help="where the plan and logs are written")
+    train.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser = deepspeed.add_config_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.deepspeed_config:
+        print("error: --deepspeed_config is required (e.g. ds_configs/gpt2_tiny_cpu.json)", file=sys.stderr)
+        return 2
+    run_args = RunArgs.from_namespace(args)
+    losses = run(run_args)
+    return 0 if losses else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

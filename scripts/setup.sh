@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One-time (idempotent) setup: .venv with the pinned torch, the project and its test tools, and
+# DeepSpeed's CPU communication op prebuilt (its first JIT build takes ~40 s).
+# TORCH_SPEC picks another torch (default torch==2.13.0: the CPU build on this machine's disk;
+# on a CUDA machine e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  PY=$(command -v python3.11 || command -v python3)
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=".venv/.tp_trainer-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build
+  python -m pip install -q $TORCH_SPEC
+  python -m pip install -q -e ".[test]"
+  python - <<'PY'
+from deepspeed.comm.torch import build_shm_op
+build_shm_op()
+PY
+  touch "$stamp"
+fi

@@ -1,0 +1,35 @@
+import pytest
+
+from tp_trainer.config import ConfigError, TeraPipeConfig
+from tp_trainer.plan import PlanError, SlicePlan, parse_slices
+
+
+def test_uniform_puts_remainder_first():
+    assert parse_slices("uniform:4", 16) == (4, 4, 4, 4)
+    assert parse_slices("uniform:3", 10) == (4, 3, 3)
+
+
+def test_plan_round_trips_through_json():
+    plan = SlicePlan(16, (7, 5, 3, 1), microbatches=3, microbatch_size=2)
+    assert SlicePlan.from_json(plan.to_json()) == plan
+    assert plan.offsets == (0, 7, 12, 15)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"seq_len": 16, "slices": [7, 5, 3]}, r"sum to 15, but the sequence length is 16"),
+    ({"seq_len": 16, "slices": [8, 0, 8]}, r"every slice must be a positive integer"),
+    ({"seq_len": 16, "slices": [8, -1, 9]}, r"every slice must be a positive integer"),
+    ({"seq_len": 16, "slices": "uniform:17"}, r"more slices than the 16 tokens"),
+    ({"seq_len": 16, "slices": "even:4"}, r"unknown form 'even:4'"),
+    ({"seq_len": 16, "schedule": "zigzag"}, r"terapipe.schedule: unknown schedule 'zigzag'"),
+    ({"seq_len": 0}, r"terapipe.seq_len: must be a positive integer"),
+    ({"seq_len": 16, "slice": [16]}, r"unknown key\(s\) \['slice'\]"),
+])
+def test_bad_terapipe_section(section, message):
+    with pytest.raises(ConfigError, match=message):
+        TeraPipeConfig.from_section(section)
+
+
+def test_plan_rejects_bad_sum():
+    with pytest.raises(PlanError, match="terapipe.slices"):
+        SlicePlan(8, (4, 3))
