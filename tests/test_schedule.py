@@ -21,12 +21,17 @@ from tp_trainer.schedule import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    backward_units,
     build_schedule,
     check_schedule,
     format_schedule,
     gpipe,
+    one_f_one_b,
+    one_f_one_b_warmup,
     parse_instruction,
+    peak_inflight,
     simulate,
+    units,
 )
 
 SLICE_CLASSES = [LoadSlice, ForwardSlice, BackwardSlice, SendActivation, RecvActivation,
@@ -156,7 +161,7 @@ def test_gpipe_forward_and_backward_orders(stages, microbatches, slices):
 
 
 def test_build_schedule_errors():
-    with pytest.raises(ValueError, match=r"unknown schedule 'nope'.*gpipe"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'nope'; known schedules: 1f1b, gpipe"):
         build_schedule("nope", 2, 0, 1, 1)
     with pytest.raises(ValueError, match="stages=0"):
         build_schedule("gpipe", 0, 0, 1, 1)
@@ -172,7 +177,100 @@ def test_build_schedule_errors():
         build_schedule("gpipe", 2, 0, 1, 2.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         check_schedule("1f1b-not-yet", 2, 1, 1)
-    assert "gpipe" in SCHEDULES
+    assert SCHEDULES["gpipe"] is gpipe and SCHEDULES["1f1b"] is one_f_one_b
+    with pytest.raises(ValueError, match="stage_id=3, stages=3"):
+        build_schedule("1f1b", 3, 3, 1, 1)
+    with pytest.raises(ValueError, match="microbatches=0"):
+        one_f_one_b(2, 0, 0, 1)
+
+
+def test_1f1b_step_shapes():
+    # K=3, M=2, S=2: warm-up W = 4, 3, 2 forwards; stages 0 and 1 send each activation
+    # that precedes a backward after that backward's RecvGrad (rendezvous order).
+    first, middle, last = (one_f_one_b(3, i, 2, 2) for i in range(3))
+    assert format_schedule(first).splitlines() == [
+        "0LOAD0.0 0F0.0 0SEND_F0.0", "0LOAD0.1 0F0.1 0SEND_F0.1", "0LOAD1.0 0F1.0 0SEND_F1.0",
+        "0LOAD1.1 0F1.1", "0RECV_B0.1 0SEND_F1.1 0B0.1", "0RECV_B0.0 0B0.0",
+        "0RECV_B1.1 0B1.1", "0RECV_B1.0 0B1.0", "0REDUCE_TIED", "0REDUCE", "0STEP"]
+    assert format_schedule(middle).splitlines() == [
+        "1RECV_F0.0 1F0.0 1SEND_F0.0", "1RECV_F0.1 1F0.1 1SEND_F0.1", "1RECV_F1.0 1F1.0",
+        "1RECV_B0.1 1SEND_F1.0 1B0.1 1SEND_B0.1", "1RECV_F1.1 1F1.1",
+        "1RECV_B0.0 1SEND_F1.1 1B0.0 1SEND_B0.0", "1RECV_B1.1 1B1.1 1SEND_B1.1",
+        "1RECV_B1.0 1B1.0 1SEND_B1.0", "1REDUCE_TIED", "1REDUCE", "1STEP"]
+    assert format_schedule(last).splitlines() == [
+        "2RECV_F0.0 2LOAD0.0 2F0.0", "2RECV_F0.1 2LOAD0.1 2F0.1", "2B0.1 2SEND_B0.1",
+        "2RECV_F1.0 2LOAD1.0 2F1.0", "2B0.0 2SEND_B0.0", "2RECV_F1.1 2LOAD1.1 2F1.1",
+        "2B1.1 2SEND_B1.1", "2B1.0 2SEND_B1.0", "2REDUCE_TIED", "2REDUCE", "2STEP"]
+    assert format_schedule(one_f_one_b(1, 0, 1, 1)) == format_schedule(gpipe(1, 0, 1, 1))
+
+
+def test_1f1b_warmup_formula():
+    assert [one_f_one_b_warmup(4, i, 4, 4) for i in range(4)] == [7, 6, 5, 4]  # S + K - 1 - i
+    assert [one_f_one_b_warmup(8, i, 2, 1) for i in range(8)] == [2, 2, 2, 2, 2, 2, 2, 1]
+    assert one_f_one_b_warmup(2, 0, 4, 8) == 9 and one_f_one_b_warmup(2, 1, 4, 8) == 8
+    assert one_f_one_b_warmup(3, 0, 1, 1) == 1
+
+
+def test_backward_units():
+    assert backward_units(2, 3) == [(0, 2), (0, 1), (0, 0), (1, 2), (1, 1), (1, 0)]
+    assert backward_units(3, 1) == units(3, 1)
+
+
+@pytest.mark.parametrize("stages,microbatches,slices", [(1, 1, 1), (1, 3, 4), (2, 3, 4), (4, 2, 5),
+                                                        (3, 1, 7), (8, 2, 1), (8, 8, 16)])
+def test_1f1b_forward_and_backward_orders(stages, microbatches, slices):
+    expected = units(microbatches, slices)
+    for i in range(stages):
+        steps = one_f_one_b(stages, i, microbatches, slices)
+        prog = flat(steps)
+        fwd = [x.unit for x in prog if isinstance(x, ForwardSlice)]
+        bwd = [x.unit for x in prog if isinstance(x, BackwardSlice)]
+        # every unit forwarded once and backwarded once
+        assert fwd == expected
+        assert sorted(bwd) == expected and len(set(bwd)) == len(bwd)
+        # microbatches in order; within each microbatch slices S-1 .. 0
+        assert bwd == [(m, j) for m in range(microbatches) for j in reversed(range(slices))]
+        for m in range(microbatches):
+            assert [j for mm, j in bwd if mm == m] == list(reversed(range(slices)))
+        # W_i forwards, then B/F alternating, then the remaining backwards
+        w = one_f_one_b_warmup(stages, i, microbatches, slices)
+        kinds = "".join("F" if isinstance(x, ForwardSlice) else "B" for x in prog
+                        if isinstance(x, (ForwardSlice, BackwardSlice)))
+        n = microbatches * slices
+        assert kinds == "F" * w + "BF" * (n - w) + "B" * w
+        # every communication of a unit of this stage, each once; loads as in gpipe
+        assert sorted(map(str, prog)) == sorted(map(str, flat(gpipe(stages, i, microbatches,
+                                                                     slices))))
+        assert peak_inflight(steps) == w
+
+
+def test_peak_inflight():
+    assert peak_inflight([]) == 0
+    assert peak_inflight([[ForwardSlice(0, 0, 0)], [BackwardSlice(0, 0, 0)],
+                          [ForwardSlice(0, 0, 1)], [ForwardSlice(0, 0, 2)]]) == 2
+    # K=2, M=4, S=8: gpipe keeps all 32 units alive, 1f1b at most S + K - 1 - i.
+    g = [peak_inflight(gpipe(2, i, 4, 8)) for i in range(2)]
+    o = [peak_inflight(one_f_one_b(2, i, 4, 8)) for i in range(2)]
+    assert g == [32, 32]
+    assert o == [9, 8]
+    assert [peak_inflight(gpipe(4, i, 8, 16)) for i in range(4)] == [128] * 4
+    assert [peak_inflight(one_f_one_b(4, i, 8, 16)) for i in range(4)] == [19, 18, 17, 16]
+
+
+def test_1f1b_without_moved_sends_deadlocks():
+    # Plain forward_step / backward_step shapes: stage 0 sends its next activation
+    # while stage 1 sends a gradient; rendezvous makes that a deadlock.
+    schedules = copy.deepcopy(all_stages("1f1b", 2, 2, 2))
+    for steps in schedules:
+        for k, step in enumerate(steps):
+            moved = [x for x in step if isinstance(x, SendActivation)]
+            if moved and not isinstance(step[-2], ForwardSlice):
+                step.remove(moved[0])
+                steps[k - 1].append(moved[0])
+    assert format_schedule(schedules[0]).splitlines()[2:4] == ["0LOAD1.0 0F1.0 0SEND_F1.0",
+                                                              "0RECV_B0.1 0B0.1"]
+    msg = failure(schedules)
+    assert msg.startswith("deadlock: stage 0 waits on 0SEND_F1.0, stage 1 waits on 1SEND_B0.1")
 
 
 # ---------------------------------------------------------------- simulator: passing
@@ -220,6 +318,38 @@ def test_grid_of_a_passing_schedule():
     # fixed width: every column separator lines up
     bars = {tuple(k for k, ch in enumerate(line) if ch == "|") for line in lines if "|" in line}
     assert len({b[:1] for b in bars}) == 1
+
+
+def test_every_1f1b_schedule_passes_the_simulator():
+    for stages in range(1, 9):
+        for microbatches in range(1, 9):
+            for slices in range(1, 17):
+                schedules = all_stages("1f1b", stages, microbatches, slices)
+                result = simulate(schedules)
+                # unit costs: as fast as gpipe
+                assert result.makespan == 2 * (microbatches * slices + stages - 1)
+                # memory: at most W_i = min(M*S, S + K - 1 - i) units in flight on stage i
+                for i, steps in enumerate(schedules):
+                    assert peak_inflight(steps) == one_f_one_b_warmup(stages, i, microbatches,
+                                                                      slices)
+
+
+@pytest.mark.parametrize("stages,microbatches,slices", [(2, 4, 8), (3, 2, 4), (4, 4, 4),
+                                                        (8, 3, 4), (8, 8, 16)])
+def test_1f1b_makespan_against_gpipe(stages, microbatches, slices):
+    unit_g = check_schedule("gpipe", stages, microbatches, slices).makespan
+    unit_o = check_schedule("1f1b", stages, microbatches, slices).makespan
+    assert unit_o == unit_g == 2 * (microbatches * slices + stages - 1)
+    # uneven slices (later slices cheaper, backward twice the forward) and a message
+    # cost: 1f1b is never slower than gpipe on these
+    costs = [float(slices - j) for j in range(slices)]
+    dur = lambda ins: ((2.0 if isinstance(ins, BackwardSlice) else 1.0) * costs[ins.slice]
+                       if isinstance(ins, (ForwardSlice, BackwardSlice)) else 0.0)
+    comm = lambda ins: 0.25
+    for kwargs in ({"duration": dur}, {"comm_time": comm}, {"duration": dur, "comm_time": comm}):
+        g = check_schedule("gpipe", stages, microbatches, slices, **kwargs).makespan
+        o = check_schedule("1f1b", stages, microbatches, slices, **kwargs).makespan
+        assert o <= g
 
 
 # ---------------------------------------------------------------- simulator: failing

@@ -24,11 +24,15 @@ from .instructions import (
 from .orders import (
     SCHEDULES,
     backward_step,
+    backward_units,
     build_schedule,
     final_steps,
     format_schedule,
     forward_step,
     gpipe,
+    one_f_one_b,
+    one_f_one_b_warmup,
+    peak_inflight,
     units,
     validate_schedule_args,
 )
@@ -46,8 +50,9 @@ __all__ = [
     "INSTRUCTION_TYPES", "BackwardSlice", "ForwardSlice", "Instruction", "LoadSlice",
     "OptimizerStep", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads",
     "SendActivation", "SendGrad", "SliceInstruction", "parse_instruction",
-    "SCHEDULES", "backward_step", "build_schedule", "final_steps", "format_schedule",
-    "forward_step", "gpipe", "units", "validate_schedule_args",
+    "SCHEDULES", "backward_step", "backward_units", "build_schedule", "final_steps",
+    "format_schedule", "forward_step", "gpipe", "one_f_one_b", "one_f_one_b_warmup",
+    "peak_inflight", "units", "validate_schedule_args",
     "ScheduleError", "SimulationResult", "check_schedule", "default_comm_time",
     "default_duration", "format_grid", "simulate",
 ]

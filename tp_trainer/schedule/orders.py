@@ -9,6 +9,7 @@ Orders are registered in :data:`SCHEDULES`; :func:`build_schedule` validates the
 integers and dispatches by name. A new order (e.g. ``"1f1b"``) is one more
 function built from :func:`forward_step`, :func:`backward_step` and
 :func:`final_steps`, added to the registry; the simulator checks it unchanged.
+Registered: ``"gpipe"`` (:func:`gpipe`) and ``"1f1b"`` (:func:`one_f_one_b`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,89 @@ def gpipe(stages: int, stage_id: int, microbatches: int, num_slices: int) -> lis
     return steps
 
 
-SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe}
+def backward_units(microbatches: int, num_slices: int) -> list[tuple[int, int]]:
+    """All units in the backward order of ``1f1b``: microbatches in order, slices reversed.
+
+    ``b_k = (k // S, S - 1 - k % S)``: the backward of slice j needs the backward of
+    slice j + 1 of the same microbatch (the gradient of its cached K/V).
+    """
+    return [(m, num_slices - 1 - j) for m in range(microbatches) for j in range(num_slices)]
+
+
+def one_f_one_b_warmup(stages: int, stage_id: int, microbatches: int, num_slices: int) -> int:
+    """Forwards that stage ``stage_id`` of ``1f1b`` runs before its first backward.
+
+    ``W_i = min(M*S, S + K - 1 - i)``. The first backward is the last slice of
+    microbatch 0, so every stage needs all S slices of it forwarded (the last stage
+    needs exactly S); each stage above holds one more so the pipe stays full. One
+    fewer on the last stage breaks a dependency, one fewer on another stage
+    deadlocks or idles the pipe; one more only costs memory.
+    """
+    validate_schedule_args(stages, stage_id, microbatches, num_slices)
+    return min(microbatches * num_slices, num_slices + stages - 1 - stage_id)
+
+
+def one_f_one_b(stages: int, stage_id: int, microbatches: int, num_slices: int) -> list[Step]:
+    """One-forward-one-backward over (microbatch, slice) units, as Seq1F1B.
+
+    Forward order ``f_k = (k // S, k % S)`` (as gpipe), backward order
+    ``b_k = (k // S, S - 1 - k % S)`` (:func:`backward_units`). Stage i runs
+    ``W_i`` (:func:`one_f_one_b_warmup`) warm-up forwards, then alternates
+    ``B b_k``, ``F f_{W_i + k}`` while forwards remain, then the remaining
+    backwards, then the final steps. At most ``W_i`` units are in flight (forward
+    done, backward not) on stage i, against M*S for gpipe; with every forward and
+    backward costing t the iteration still takes ``2 * (M*S + K - 1) * t``.
+
+    Steps are :func:`forward_step` and :func:`backward_step` with one change:
+    send/recv are rendezvous, so on every link both stages must meet the messages in
+    the same order. Stage i+1 (one warm-up forward fewer) sends the gradient of
+    ``b_k`` before it receives the activation of the forward that stage i ran just
+    before ``b_k``. So where stage i has more warm-up forwards than stage i+1, the
+    ``SendActivation`` of the forward preceding a backward moves into that backward
+    step, right after its ``RecvGrad`` (as DeepSpeed's TrainSchedule does):
+    ``[RECV_B b_k] [SEND_F f] [B b_k] [SEND_B b_k]``. Where both are capped at M*S
+    (all forwards, then all backwards on both) nothing moves.
+    """
+    validate_schedule_args(stages, stage_id, microbatches, num_slices)
+    total = microbatches * num_slices
+    fwd = units(microbatches, num_slices)
+    bwd = backward_units(microbatches, num_slices)
+    warmup = one_f_one_b_warmup(stages, stage_id, microbatches, num_slices)
+    defer = (stage_id < stages - 1
+             and warmup > one_f_one_b_warmup(stages, stage_id + 1, microbatches, num_slices))
+
+    steps: list[Step] = [forward_step(stages, stage_id, m, j) for m, j in fwd[:warmup]]
+    for k, (m, j) in enumerate(bwd):
+        step = backward_step(stages, stage_id, m, j)
+        if defer and isinstance(steps[-1][-1], SendActivation):
+            # steps[-1] is the forward just before this backward (stage < last, so
+            # step[0] is RecvGrad): send its activation after receiving the gradient.
+            step.insert(1, steps[-1].pop())
+        steps.append(step)
+        if warmup + k < total:
+            steps.append(forward_step(stages, stage_id, *fwd[warmup + k]))
+    steps += final_steps(stage_id)
+    return steps
+
+
+def peak_inflight(steps: list[Step]) -> int:
+    """Most units whose forward is done and backward is not, at any point of ``steps``.
+
+    Counts ForwardSlice / BackwardSlice in execution order; a bound on the
+    activations (and K/V) a stage keeps alive.
+    """
+    live = peak = 0
+    for step in steps:
+        for ins in step:
+            if isinstance(ins, ForwardSlice):
+                live += 1
+                peak = max(peak, live)
+            elif isinstance(ins, BackwardSlice):
+                live -= 1
+    return peak
+
+
+SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
