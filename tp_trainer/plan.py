@@ -94,3 +94,8 @@ def _uniform(spec: str, seq_len: int) -> tuple[int, ...]:
                         f"of a sequence; use N <= {seq_len}")
     base, extra = divmod(seq_len, n)
     return tuple(base + 1 if j < extra else base for j in range(n))
+
+
+if __name__ == "__main__":
+    from .planner.cli import main
+    main()

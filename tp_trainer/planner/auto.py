@@ -1,0 +1,155 @@
+"""``"slices": "auto"``: profile each stage at start-up, plan on rank 0, broadcast the plan.
+
+Call on every rank after the model is split into its ``TeraPipeModule`` (and after
+``deepspeed.init_distributed``), BEFORE the ``TeraPipeEngine`` is built (the engine needs the plan):
+
+    slices, predicted, text = auto_slices(module, seq_len=..., microbatch_size=..., microbatches=...,
+                                          stages=..., cost_model_path=...)
+
+Every rank times its own stage's layers (bounded by ``time_budget_s``), the stage models are
+gathered to rank 0 with ``all_gather_object``, rank 0 runs the DP on the slowest stage and
+broadcasts the plan. Profiling runs in the module's current dtype and device, leaves gradients as
+found (None) and restores the RNG state, so training is unchanged by it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as tdist
+
+from .cost_model import PipelineCost
+from .dp import PlannedBatch
+from .profile import profile_stage, time_copy
+from .report import make_plan, report
+
+
+def _dist() -> tuple[int, int]:
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_rank(), tdist.get_world_size()
+    return 0, 1
+
+
+def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: int = 5) -> tuple[float, float]:
+    """(latency s, s per byte) of one message, ping-pong between ranks 0 and 1 (collective call).
+
+    One process: a local copy of the same size instead. The result is broadcast from rank 0.
+    """
+    rank, world = _dist()
+    if world < 2:
+        return time_copy(hidden, seq_len, bytes_per_element)
+    sizes, times = [], []
+    for l in (8, max(8, seq_len // 4), seq_len):
+        buf = torch.zeros(l * hidden * bytes_per_element // 4)
+        tdist.barrier()
+        if rank in (0, 1):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                if rank == 0:
+                    tdist.send(buf, 1)
+                    tdist.recv(buf, 1)
+                else:
+                    tdist.recv(buf, 0)
+                    tdist.send(buf, 0)
+            sizes.append(buf.numel() * 4)
+            times.append((time.perf_counter() - t0) / (2 * repeats))
+    out = [None]
+    if rank == 0:
+        import numpy as np
+        slope, intercept = np.polyfit(sizes, times, 1)
+        out = [(max(float(intercept), 0.0), max(float(slope), 0.0))]
+    tdist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def gather_cost(module, stages: int, stage_id: int, hidden: int, seq_len: int, batch_sizes, granularity: int,
+                time_budget_s: float, slice_context=None) -> PipelineCost:
+    """Profile this rank's stage; every rank gets the PipelineCost of all stages."""
+    rank, world = _dist()
+    ctx = slice_context or module.slice_context
+    mine = profile_stage(module, ctx, hidden, seq_len, batch_sizes, granularity, time_budget_s,
+                         progress=True, desc=f"profile stage {stage_id} (rank {rank})")
+    latency, per_byte = measure_p2p(hidden, seq_len, mine.bytes_per_element)
+    everyone = [(stage_id, mine)]
+    if world > 1:
+        everyone = [None] * world
+        tdist.all_gather_object(everyone, (stage_id, mine))
+    by_stage = {}
+    for sid, cost in everyone:
+        by_stage.setdefault(sid, cost)
+    if sorted(by_stage) != list(range(stages)):
+        raise RuntimeError(f"auto slices: profiled stages {sorted(by_stage)}, expected 0..{stages - 1}")
+    meta = {"seq_len": seq_len, "batch_sizes": list(batch_sizes), "granularity": granularity,
+            "torch_threads": torch.get_num_threads(), "world_size": world}
+    return PipelineCost([by_stage[s] for s in range(stages)], latency, per_byte, meta)
+
+
+def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: int | None = None,
+              granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
+              schedule: str = "gpipe", save_dir: str | None = None, stage_id: int | None = None,
+              hidden: int | None = None, slice_context=None) -> tuple[PlannedBatch, str]:
+    """The full form: (plan, report). ``batch`` = sequences per step per replica;
+    ``microbatch_size`` fixes b (None: the DP also chooses the equal split of the batch).
+
+    ``cost_model_path``: read if it exists (no profiling), else written after profiling.
+    ``save_dir``: rank 0 writes ``plan.json`` and ``plan.txt`` there.
+    """
+    rank, _ = _dist()
+    stage_id = module.stage_id if stage_id is None else stage_id
+    hidden = hidden or _hidden(module)
+    if cost_model_path and os.path.isfile(cost_model_path):
+        cost = PipelineCost.load(cost_model_path)
+    else:
+        sizes = [microbatch_size] if microbatch_size else _divisors(batch)
+        cost = gather_cost(module, stages, stage_id, hidden, seq_len, sizes, granularity, time_budget_s,
+                           slice_context)
+        if cost_model_path and rank == 0:
+            cost.save(cost_model_path)
+    result = [None]
+    if rank == 0:
+        plan, seconds = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
+        text = cost.describe() + "\n" + report(plan, cost, stages, schedule, seconds)
+        result = [(plan, text)]
+        if save_dir:
+            _save(save_dir, plan, text)
+    if _dist()[1] > 1:
+        tdist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def auto_slices(module, seq_len: int, microbatch_size: int, microbatches: int, stages: int, granularity: int = 8,
+                time_budget_s: float = 60.0, cost_model_path: str | None = None, schedule: str = "gpipe",
+                save_dir: str | None = None, **kwargs) -> tuple[tuple[int, ...], float, str]:
+    """(slice lengths, predicted iteration seconds, report) for a fixed microbatching (collective)."""
+    plan, text = auto_plan(module, seq_len, microbatch_size * microbatches, stages, microbatch_size, granularity,
+                           time_budget_s, cost_model_path, schedule, save_dir, **kwargs)
+    return plan.slices[0], plan.predicted_time, text
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _hidden(module) -> int:
+    """Hidden size of a stage: the width of its first LayerNorm (every stage holds a block)."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            return int(m.normalized_shape[-1])
+        if isinstance(m, torch.nn.Embedding):
+            return int(m.embedding_dim)
+    raise ValueError("auto slices: pass hidden=model.config.hidden_size (no LayerNorm to read it from)")
+
+
+def _save(save_dir: str, plan: PlannedBatch, text: str) -> None:
+    os.makedirs(save_dir, exist_ok=True)
+    data = {"seq_len": plan.seq_len, "stages": plan.stages, "microbatch_sizes": list(plan.microbatch_sizes),
+            "slices": [list(s) for s in plan.slices], "predicted_time": plan.predicted_time,
+            "t_max": plan.t_max, "uniform": plan.uniform}
+    for name, body in (("plan.json", json.dumps(data, indent=2)), ("plan.txt", text + "\n")):
+        tmp = os.path.join(save_dir, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(body)
+        os.replace(tmp, os.path.join(save_dir, name))

@@ -1,0 +1,124 @@
+"""``python -m tp_trainer.plan``: plan token slices for a model, sequence length, batch and stages.
+
+    python -m tp_trainer.plan --model tiny --seq_len 512 --batch 1 --stages 2 --profile \
+        --save_cost_model runs/cost.json
+    python -m tp_trainer.plan --seq_len 2048 --batch 8 --stages 4 --cost_model runs/cost.json
+
+``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
+shapes, not the weights), or ``tiny`` (4 blocks, width 256, vocab 8192) / ``gpt2`` (GPT-2 small).
+``--profile`` measures every stage here, one after the other, in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+import torch
+
+from .cost_model import PipelineCost
+from .profile import profile_stage, time_copy
+from .report import make_plan, report
+
+
+def model_config(spec: str):
+    """A GPT2Config from a name (tiny, gpt2), a checkpoint directory or a config.json path."""
+    from transformers import GPT2Config
+    if spec == "tiny":
+        return GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=1024)
+    if spec == "gpt2":
+        return GPT2Config()
+    path = spec if os.path.isfile(spec) else os.path.join(spec, "config.json")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model: {spec!r} is neither 'tiny', 'gpt2', a config.json nor a checkpoint "
+                         f"directory holding config.json")
+    return GPT2Config.from_json_file(path)
+
+
+def stage_layers(model, stages: int):
+    """([callables of stage s] for each stage, SliceContext) without DeepSpeed's process group."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    from ..model.gpt2 import PREFIX, SUFFIX, gpt2_layer_specs
+    from ..model.layers import SliceContext
+    from ..model.split import split_for_config
+    ctx = SliceContext(model.config._attn_implementation or "sdpa")
+    specs = gpt2_layer_specs(model, ctx)
+    split = split_for_config(model.config, stages, PREFIX, SUFFIX)
+    tied, out = {}, []
+    for s in range(stages):
+        funcs = []
+        for spec in specs[split.parts[s]:split.parts[s + 1]]:
+            if isinstance(spec, TiedLayerSpec):
+                module = tied.setdefault(spec.key, spec.build())
+                funcs.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
+            else:
+                funcs.append(spec.build())
+        out.append(funcs)
+    return out, ctx
+
+
+def profile_model(config, seq_len: int, stages: int, batch_sizes, granularity: int,
+                  time_budget_s: float) -> PipelineCost:
+    """Measure every stage of a randomly initialised model of ``config`` in this process."""
+    from transformers import GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).train()
+    layers, ctx = stage_layers(model, stages)
+    costs = [profile_stage(funcs, ctx, config.n_embd, seq_len, batch_sizes, granularity, time_budget_s / stages,
+                           desc=f"profile stage {s}") for s, funcs in enumerate(layers)]
+    latency, per_byte = time_copy(config.n_embd, seq_len)
+    meta = {"seq_len": seq_len, "batch_sizes": list(batch_sizes), "granularity": granularity,
+            "torch_threads": torch.get_num_threads(), "world_size": 1}
+    return PipelineCost(costs, latency, per_byte, meta)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tp_trainer.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny | gpt2 | checkpoint dir | config.json")
+    p.add_argument("--seq_len", type=int, required=True)
+    p.add_argument("--batch", type=int, default=1, help="sequences per iteration (per data-parallel replica)")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--granularity", type=int, default=8)
+    p.add_argument("--microbatch_size", type=int, default=None, help="fix b (default: the DP chooses)")
+    p.add_argument("--any_split", action="store_true", help="allow unequal microbatch sizes")
+    p.add_argument("--schedule", default="gpipe")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", action="store_true", help="measure the stages here")
+    src.add_argument("--cost_model", help="a cost model JSON written by --profile or a run")
+    p.add_argument("--save_cost_model", help="with --profile: write the measured cost model here")
+    p.add_argument("--time_budget", type=float, default=60.0, help="seconds of profiling, all stages")
+    p.add_argument("--threads", type=int, default=None, help="torch threads while profiling")
+    p.add_argument("--save_dir", help="write plan.json and plan.txt into this directory")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.profile:
+        config = model_config(args.model)
+        if args.seq_len > config.n_positions:
+            raise SystemExit(f"--seq_len {args.seq_len} exceeds the model's {config.n_positions} positions")
+        sizes = [args.microbatch_size] if args.microbatch_size else range(1, args.batch + 1)
+        sizes = [b for b in sizes if args.any_split or args.batch % b == 0]
+        cost = profile_model(config, args.seq_len, args.stages, sizes, args.granularity, args.time_budget)
+        if args.save_cost_model:
+            cost.save(args.save_cost_model)
+    else:
+        cost = PipelineCost.load(args.cost_model)
+    print(cost.describe())
+    plan, seconds = make_plan(cost, args.seq_len, args.batch, args.stages, args.granularity,
+                              args.microbatch_size, not args.any_split)
+    print(report(plan, cost, args.stages, args.schedule, seconds))
+    if args.save_dir:
+        from .auto import _save
+        _save(args.save_dir, plan, report(plan, cost, args.stages, args.schedule))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The measured cost model of a pipeline: t(b, l, c) per stage, p2p time, fitted and saved as JSON.
+
+A unit of work is one slice of l tokens of a microbatch of b sequences, with c tokens of context
+before it (attention over the earlier slices' K/V). Forward and backward times of each stage are
+fitted, separately, as a non-negative combination of
+
+    1, b, l, b*l, b*l*l, b*l*c, b*c, l*c, l*l
+
+(per-call overhead; per-sequence and per-token work such as masks; the projections and MLP,
+~12 h^2 b l; attention within the slice, ~h b l^2; attention over the context, ~h b l c, the
+paper's context term; accumulating the context's K/V gradient, ~b c; the slice's mask, ~l (c + l)).
+Rows are weighted by 1 / t, so the fit minimizes relative error. Non-negative least squares keeps
+every term >= 0 (a cost never falls when a slice grows).
+A message of one slice's activation (b * l * hidden elements) costs ``p2p_latency + bytes *
+p2p_per_byte``. ``step_time`` is the per-iteration work outside the slices (optimizer step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+FEATURES = ("1", "b", "l", "b*l", "b*l*l", "b*l*c", "b*c", "l*c", "l*l")
+
+
+def features(b, l, c) -> np.ndarray:
+    """Feature matrix of the cost fit, shape (..., len(FEATURES)), from broadcastable b, l, c."""
+    b, l, c = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (b, l, c)))
+    return np.stack([np.ones_like(b), b, l, b * l, b * l * l, b * l * c, b * c, l * c, l * l], axis=-1)
+
+
+def nnls(a: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
+    """Non-negative least squares min ||a x - y||, x >= 0 (Lawson-Hanson active set)."""
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    x = np.zeros(a.shape[1])
+    free = np.zeros(a.shape[1], dtype=bool)
+    for _ in range(iters):
+        w = a.T @ (y - a @ x)
+        if free.all() or (w[~free] <= 1e-12).all():
+            break
+        free[np.argmax(np.where(free, -np.inf, w))] = True
+        while True:
+            z = np.zeros_like(x)
+            z[free] = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            bad = free & (z <= 0)
+            alpha = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + alpha * (z - x)
+            free &= x > 1e-15
+            x[~free] = 0.0
+    return x / scale
+
+
+def fit(samples: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Coefficients (len(FEATURES),) fitting times (N,) at samples (N, 3) = (b, l, c), relative error."""
+    a = features(samples[:, 0], samples[:, 1], samples[:, 2])
+    weight = 1.0 / np.maximum(times, 1e-9)
+    return nnls(a * weight[:, None], np.ones_like(times))
+
+
+def heldout_error(samples: np.ndarray, times: np.ndarray, every: int = 4) -> dict:
+    """Fit on all but every ``every``-th sample, predict those: mean / max relative error."""
+    idx = np.arange(len(times))
+    test = idx % every == every // 2
+    if test.sum() == 0 or (~test).sum() < len(FEATURES):
+        return {"mean": float("nan"), "max": float("nan"), "points": 0}
+    coef = fit(samples[~test], times[~test])
+    pred = features(*samples[test].T) @ coef
+    rel = np.abs(pred - times[test]) / times[test]
+    return {"mean": float(rel.mean()), "max": float(rel.max()), "points": int(test.sum())}
+
+
+@dataclass
+class StageCost:
+    """Fitted forward and backward time (seconds) of one stage's layers on one unit."""
+
+    forward: list[float]
+    backward: list[float]
+    hidden: int
+    bytes_per_element: int = 4
+    step_time: float = 0.0
+    heldout: dict = field(default_factory=dict)
+    samples: list = field(default_factory=list)  # [b, l, c, forward s, backward s] as measured
+
+    def fwd(self, b, l, c):
+        return features(b, l, c) @ np.asarray(self.forward)
+
+    def bwd(self, b, l, c):
+        return features(b, l, c) @ np.asarray(self.backward)
+
+    def total(self, b, l, c):
+        return features(b, l, c) @ (np.asarray(self.forward) + np.asarray(self.backward))
+
+    @classmethod
+    def from_samples(cls, rows, hidden: int, bytes_per_element: int = 4, step_time: float = 0.0) -> "StageCost":
+        """Fit from measured rows (b, l, c, forward s, backward s); held-out error of the total."""
+        data = np.asarray(rows, dtype=float)
+        x, fwd, bwd = data[:, :3], data[:, 3], data[:, 4]
+        return cls(fit(x, fwd).tolist(), fit(x, bwd).tolist(), hidden, bytes_per_element, step_time,
+                   heldout_error(x, fwd + bwd), data.tolist())
+
+
+@dataclass
+class PipelineCost:
+    """Cost model of every stage plus the p2p link; what the planner and the predictor read."""
+
+    stages: list[StageCost]
+    p2p_latency: float = 0.0
+    p2p_per_byte: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    def unit_cost(self, b, l, c):
+        """Forward + backward time of a unit on the slowest stage (what the DP plans with)."""
+        return np.max([s.total(b, l, c) for s in self.stages], axis=0)
+
+    def comm(self, b, l) -> np.ndarray:
+        """Time of one p2p message of a slice's activation (or its gradient) between stages."""
+        hidden = max(s.hidden for s in self.stages)
+        size = np.asarray(b, float) * np.asarray(l, float) * hidden * self.stages[0].bytes_per_element
+        return self.p2p_latency + self.p2p_per_byte * size
+
+    def planning_cost(self, stages: int):
+        """t(b, l, c) for the DP: slowest stage's compute plus, with K > 1, the two messages."""
+        def cost(b, l, c):
+            extra = 2.0 * self.comm(b, l) if stages > 1 else 0.0
+            return self.unit_cost(b, l, c) + extra
+        return cost
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PipelineCost":
+        data = json.loads(text)
+        data["stages"] = [StageCost(**s) for s in data["stages"]]
+        return cls(**data)
+
+    def save(self, path: str) -> None:
+        """Write atomically (a temporary file renamed), so no half-written model is ever left."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "PipelineCost":
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"terapipe.cost_model: {path!r} does not exist; profile first "
+                                    f"(python -m tp_trainer.plan --profile --save_cost_model {path})")
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_json(handle.read())
+
+    def describe(self) -> str:
+        lines = []
+        for i, s in enumerate(self.stages):
+            err = s.heldout or {}
+            lines.append(f"stage {i}: {len(s.samples)} points, held-out error of fwd+bwd "
+                         f"mean {100 * err.get('mean', float('nan')):.1f}% max {100 * err.get('max', float('nan')):.1f}%"
+                         f", step {1e3 * s.step_time:.1f} ms")
+        lines.append(f"p2p: {1e6 * self.p2p_latency:.0f} us + {self.p2p_per_byte * 1e9:.3f} ns/byte")
+        return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Measuring a stage's own layers: forward + backward of one slice over a grid of (b, l, c).
+
+The layers are the real ones of the stage (HF blocks wrapped as in ``tp_trainer.model.layers``),
+run exactly as the engine runs them: ``SliceContext.begin`` with a ``SequenceKV`` holding c tokens
+of context, the layers called in order, the loss on the last stage (cross-entropy summed over the
+slice), ``backward`` with an output gradient elsewhere. Each grid point is run ``warmup`` times
+untimed, then ``repeats`` times; the median forward and backward times are kept.
+Grid: l in g, 2g, 4g, ... up to L (and L), c in {0, L/4, L/2, 3L/4, L - l} with c + l <= L, b in the
+given microbatch sizes: ~40 points per b at L = 1024. The points run in a fixed shuffled order,
+so when ``time_budget_s`` runs out the measured points still cover the grid.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ..model.layers import SliceContext, TokenEmbedding
+from ..model.slice_cache import SequenceKV
+from .cost_model import FEATURES, StageCost
+
+
+class _FilledKV(SequenceKV):
+    """A SequenceKV whose buffers start with small random values: a stand-in for earlier slices."""
+
+    def tensors(self, layer_idx, like=None):
+        new = layer_idx not in self.layers
+        out = super().tensors(layer_idx, like)
+        if new:
+            out[0].normal_(0.0, 0.5)
+            out[1].normal_(0.0, 0.5)
+        return out
+
+
+def stage_functions(layers) -> list:
+    """The callables of a stage in order: a PipelineModule's ``forward_funcs`` or a given list."""
+    funcs = getattr(layers, "forward_funcs", None)
+    return list(funcs) if funcs is not None else list(layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageRunner:
+    """Runs one unit (b sequences, slice [c, c + l)) through a stage's functions, timed.
+
+    First stage (the first function is a ``TokenEmbedding``): the input is token ids (b, l).
+    Otherwise the input is an activation (b, l, hidden) that requires grad, as received.
+    Last stage (the output is not (b, l, hidden)): loss = sum of cross-entropy / (b * L).
+    """
+
+    def __init__(self, layers, ctx: SliceContext, hidden: int, seq_len: int):
+        self.funcs = stage_functions(layers)
+        self.ctx, self.hidden, self.seq_len = ctx, hidden, seq_len
+        self.params = list({id(p): p for f in self.funcs for p in _parameters(f)}.values())
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.dtype = next((p.dtype for p in self.params if p.is_floating_point()), torch.float32)
+        first = self.funcs[0]
+        self.vocab = first.inner.num_embeddings if isinstance(first, TokenEmbedding) else None
+        self.kv: dict[int, SequenceKV] = {}
+
+    def _input(self, b: int, l: int):
+        if self.vocab is not None:
+            return torch.randint(0, self.vocab, (b, l), device=self.device)
+        return torch.randn(b, l, self.hidden, device=self.device, dtype=self.dtype).requires_grad_()
+
+    def run(self, b: int, l: int, c: int) -> tuple[float, float]:
+        """(forward s, backward s) of one unit."""
+        kv = self.kv.setdefault(b, _FilledKV(self.seq_len))
+        x = self._input(b, l)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.ctx.begin(kv, c, l)
+        out = x
+        for func in self.funcs:
+            out = func(out)
+        last = out.shape[-1] != self.hidden
+        if last:
+            labels = torch.randint(0, out.shape[-1], out.shape[:2], device=out.device)
+            out = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), labels.flatten(),
+                                                    reduction="sum") / (b * self.seq_len)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        out.backward(None if last else torch.randn_like(out))
+        _sync(self.device)
+        return t1 - t0, time.perf_counter() - t1
+
+
+def _parameters(func):
+    module = func.args[0] if hasattr(func, "args") and func.args else func
+    return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+
+
+def grid(seq_len: int, batch_sizes, granularity: int = 8, seed: int = 0) -> list[tuple[int, int, int]]:
+    """Grid points (b, l, c), shuffled with a fixed seed (see the module docstring)."""
+    lengths, l = [], max(1, granularity)
+    while l < seq_len:
+        lengths.append(l)
+        l *= 2
+    lengths.append(seq_len)
+    points = set()
+    for b in batch_sizes:
+        for l in lengths:
+            for c in {0, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len - l}:
+                if 0 <= c and c + l <= seq_len:
+                    points.add((int(b), int(l), int(c)))
+    points = sorted(points)
+    order = np.random.default_rng(seed).permutation(len(points))
+    return [points[i] for i in order]
+
+
+def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_sizes=(1,),
+                  granularity: int = 8, time_budget_s: float = 60.0, warmup: int = 1, repeats: int = 3,
+                  progress: bool = True, desc: str = "profile") -> StageCost:
+    """Measure a stage's layers over the grid and fit its ``StageCost``.
+
+    Leaves the layers as found: gradients that were None are reset, the RNG state is restored.
+    Stops taking new points after ``time_budget_s`` (at least len(FEATURES) + 3 points are taken).
+    """
+    runner = StageRunner(layers, ctx, hidden, seq_len)
+    had_grad = {id(p) for p in runner.params if p.grad is not None}
+    rng_state = torch.random.get_rng_state()
+    points = grid(seq_len, batch_sizes, granularity)
+    rows, start = [], time.perf_counter()
+    bar = _progress(len(points), desc, progress)
+    try:
+        for b, l, c in points:
+            if time.perf_counter() - start > time_budget_s and len(rows) >= len(FEATURES) + 3:
+                break
+            for _ in range(warmup):
+                runner.run(b, l, c)
+            runs = [runner.run(b, l, c) for _ in range(repeats)]
+            rows.append([b, l, c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)])
+            bar.update(1)
+    finally:
+        bar.close()
+        for p in runner.params:
+            if id(p) not in had_grad:
+                p.grad = None
+        torch.random.set_rng_state(rng_state)
+    itemsize = torch.empty(0, dtype=runner.dtype).element_size()
+    return StageCost.from_samples(rows, hidden, itemsize, time_step(runner.params))
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, mininterval=1.0)
+
+
+def time_step(params, repeats: int = 3, max_elements: int = 50_000_000) -> float:
+    """Seconds of one AdamW step over copies of ``params`` (0 when they are too large to copy)."""
+    params = [p for p in params if p.requires_grad]
+    if not params or sum(p.numel() for p in params) > max_elements:
+        return 0.0
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in copies:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(copies, lr=1e-6)
+    opt.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(copies[0].device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_copy(hidden: int, seq_len: int, bytes_per_element: int = 4, device="cpu") -> tuple[float, float]:
+    """(latency s, s per byte) of copying an activation-sized tensor: the p2p stand-in in one process."""
+    sizes, times = [], []
+    for l in (8, seq_len // 4 or 1, seq_len):
+        src = torch.randn(l * hidden * bytes_per_element // 4, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dst.copy_(src)
+        _sync(torch.device(device))
+        sizes.append(src.numel() * 4)
+        times.append((time.perf_counter() - t0) / 10)
+    slope, intercept = np.polyfit(sizes, times, 1)
+    return max(float(intercept), 0.0), max(float(slope), 0.0)
