@@ -23,12 +23,20 @@ SLICES = {"one": [16], "uniform4": "uniform:4", "uneven": [7, 5, 3, 1]}
 
 
 def cases(stages: int) -> list[dict]:
-    """Every (microbatches, slices, tied) combination for one stage count."""
+    """Every (microbatches, slices, tied) combination for one stage count, gpipe order;
+    plus the 1f1b order with 3 microbatches (its warm-up differs from gpipe only then)."""
     out = []
     for micro, slices, tied in itertools.product((1, 3), SLICES, (True, False)):
-        out.append({"name": f"pp{stages}-mb{micro}-{slices}-{'tied' if tied else 'untied'}", "stages": stages,
-                    "microbatches": micro, "slices": SLICES[slices], "tied": tied})
+        out.append(_case(stages, micro, slices, tied, "gpipe"))
+    for slices, tied in itertools.product(("uniform4", "uneven"), (True, False)):
+        out.append(_case(stages, 3, slices, tied, "1f1b"))
     return out
+
+
+def _case(stages, micro, slices, tied, schedule):
+    return {"name": f"pp{stages}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}",
+            "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
+            "schedule": schedule}
 
 
 def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
@@ -54,5 +62,5 @@ def ds_config(case: dict) -> dict:
         "gradient_clipping": CLIP,
         "pipeline": {"stages": case["stages"]},
         "steps_per_print": 1000,
-        "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": "gpipe"},
+        "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": case["schedule"]},
     }

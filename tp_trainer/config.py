@@ -33,7 +33,8 @@ class TeraPipeConfig:
     """Slice lengths: a list of positive ints summing to seq_len, or "uniform:N"."""
 
     schedule: str = "gpipe"
-    """Order of the (microbatch, slice) units: "gpipe" (TeraPipe: all forwards, then all backwards)."""
+    """Order of the (microbatch, slice) units: "gpipe" (TeraPipe: all forwards, then all backwards
+    in reverse) or "1f1b" (warm-up forwards, then one forward / one backward: fewer units in flight)."""
 
     def __post_init__(self):
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
