@@ -11,6 +11,7 @@ SEQ_LEN = 16
 MICRO_BATCH = 2
 VOCAB = 64
 STEPS = 3
+EVAL_STEP = 99  # data seed of the batch evaluated after training
 LR = 1e-3
 # Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (e.g. the key bias:
 # softmax ignores a constant added to every key) is float noise of ~1e-9 in both runs, and with a

@@ -30,7 +30,8 @@ def run_case(case):
     engine._exec_optimizer_step = capture_then_step
     losses = [float(engine.train_batch(iter(ec.batches(case, step)))) for step in range(ec.STEPS)]
     params = {n: p.detach().clone() for n, p in named.items()}
-    return {"losses": losses, "grads": grads, "params": params, "stage": engine.stage_id}
+    eval_loss = float(engine.eval_batch(iter(ec.batches(case, ec.EVAL_STEP))))
+    return {"losses": losses, "grads": grads, "params": params, "stage": engine.stage_id, "eval": eval_loss}
 
 
 def main():

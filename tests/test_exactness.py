@@ -26,8 +26,10 @@ def pipeline_results(tmp_path_factory):
         run_ranks(WORKER, stages, [str(stages), str(out_dir)], timeout=600)
         for rank in range(stages):
             for name, result in torch.load(out_dir / f"rank{rank}.pt").items():
-                entry = merged.setdefault(name, {"losses": result["losses"], "grads": {}, "params": {}})
+                entry = merged.setdefault(name, {"losses": result["losses"], "eval": result["eval"],
+                                                 "grads": {}, "params": {}})
                 assert entry["losses"] == result["losses"], f"{name}: stages disagree on the loss"
+                assert entry["eval"] == result["eval"], f"{name}: stages disagree on the eval loss"
                 entry["grads"].update(result["grads"])
                 entry["params"].update(result["params"])
     return merged
@@ -39,11 +41,7 @@ def reference(case):
     optimizer = torch.optim.AdamW(model.parameters(), lr=ec.LR, eps=ec.ADAM_EPS, weight_decay=0.01)
     losses, grads = [], None
     for step in range(ec.STEPS):
-        micro = ec.batches(case, step)
-        input_ids = torch.cat([ids for ids, _ in micro])
-        labels = torch.cat([lab for _, lab in micro])
-        logits = model(input_ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = hf_loss(model, case, step)
         optimizer.zero_grad()
         loss.backward()
         if grads is None:
@@ -51,7 +49,17 @@ def reference(case):
         torch.nn.utils.clip_grad_norm_(model.parameters(), ec.CLIP)
         optimizer.step()
         losses.append(loss.item())
-    return losses, grads, dict(model.named_parameters())
+    with torch.no_grad():
+        eval_loss = hf_loss(model, case, ec.EVAL_STEP).item()
+    return losses, grads, dict(model.named_parameters()), eval_loss
+
+
+def hf_loss(model, case, step):
+    """Mean next-token loss of the plain HF model over all microbatches of a step."""
+    micro = ec.batches(case, step)
+    input_ids = torch.cat([ids for ids, _ in micro])
+    labels = torch.cat([lab for _, lab in micro])
+    return torch.nn.functional.cross_entropy(model(input_ids).logits.flatten(0, 1), labels.flatten())
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,7 +69,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c["name"] for c in ALL_CASES])
 def test_matches_hf(pipeline_results, case):
     got = pipeline_results[case["name"]]
-    ref_losses, ref_grads, ref_params = reference(case)
+    ref_losses, ref_grads, ref_params, ref_eval = reference(case)
     for step, (mine, ref) in enumerate(zip(got["losses"], ref_losses)):
         assert abs(mine - ref) <= 1e-6 * abs(ref), f"step {step}: loss {mine} != HF {ref}"
     assert set(got["grads"]) == set(ref_grads), "pipeline stages must cover every HF parameter once"
@@ -69,3 +77,4 @@ def test_matches_hf(pipeline_results, case):
         assert relative(got["grads"][name], ref) <= 1e-5, f"gradient of {name}"
     for name, ref in ref_params.items():
         assert relative(got["params"][name], ref.detach()) <= 1e-5, f"parameter {name} after {ec.STEPS} steps"
+    assert abs(got["eval"] - ref_eval) <= 1e-5 * abs(ref_eval), f"eval loss {got['eval']} != HF {ref_eval}"

@@ -467,3 +467,13 @@ def test_structural_errors():
     msg = str(info.value)
     assert msg.startswith("missing work: unit (0, 0) appears on stage 0 but 0B0.0 never ran")
     assert "round | stage 0" in msg
+
+
+@pytest.mark.parametrize("stages,micro,slices", [(1, 1, 1), (2, 3, 4), (4, 2, 5), (8, 8, 16)])
+def test_forward_only_passes_simulator(stages, micro, slices):
+    from tp_trainer.schedule import forward_only
+    schedules = [forward_only(stages, i, micro, slices) for i in range(stages)]
+    result = simulate(schedules, forward_only=True)
+    assert result.makespan == micro * slices + stages - 1
+    with pytest.raises(ScheduleError, match="missing work"):
+        simulate(schedules)  # as a training schedule the backwards are missing

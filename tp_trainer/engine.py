@@ -22,7 +22,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from .model.slice_cache import SequenceKV
 from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
-                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule)
+                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule, forward_only)
 
 
 def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
@@ -54,7 +54,8 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_schedule(self, steps):
         self._reset_step_state()
-        self.tput_timer.start()
+        if self.module.training:
+            self.tput_timer.start()
         for step in steps:
             for instruction in step:
                 handler = self._DISPATCH.get(type(instruction))
@@ -132,23 +133,29 @@ class TeraPipeEngine(PipelineEngine):
         kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
         self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
         outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+        training = torch.is_grad_enabled()
+        if not training and j == self.plan.num_slices - 1:
+            del self._kv[m]  # no backward will need it
         if self.is_last_stage():
             loss = slice_loss(outputs, self._labels.pop((m, j)), self._tokens_per_microbatch)
-            self._losses[(m, j)] = loss
-            self.loss = loss
-            self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
             self.fwd_outputs.append(loss.detach())
+            if training:
+                self._losses[(m, j)] = loss
+                self.loss = loss
+                self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
         else:
             self._outputs[(m, j)] = outputs
 
     def _exec_send_activation(self, cmd: SendActivation):
+        key = (cmd.microbatch, cmd.slice)
+        outputs = self._outputs[key] if torch.is_grad_enabled() else self._outputs.pop(key)
         # detach: the send must not enter the autograd graph (gloo's p2p may be a broadcast_)
-        p2p.send(self._outputs[(cmd.microbatch, cmd.slice)].detach().contiguous(), self.next_stage)
+        p2p.send(outputs.detach().contiguous(), self.next_stage)
 
     def _exec_recv_activation(self, cmd: RecvActivation):
         buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
         p2p.recv(buffer, self.prev_stage)
-        self._inputs[(cmd.microbatch, cmd.slice)] = buffer.requires_grad_()
+        self._inputs[(cmd.microbatch, cmd.slice)] = buffer.requires_grad_(torch.is_grad_enabled())
 
     def _exec_backward_slice(self, cmd: BackwardSlice):
         m, j = cmd.microbatch, cmd.slice
@@ -204,5 +211,24 @@ class TeraPipeEngine(PipelineEngine):
         OptimizerStep: _exec_step,
     }
 
-    def eval_batch(self, *args, **kwargs):
-        raise NotImplementedError("TeraPipeEngine does not evaluate through the pipeline yet")
+    def eval_batch(self, data_iter, num_micro_batches=None, **unused):
+        """Mean loss over ``num_micro_batches`` microbatches (default: as in training) of ``data_iter``,
+        run slice by slice through the pipeline (the same slicing as training, no gradients).
+
+        Averaged over data-parallel replicas; every rank returns the same value.
+        """
+        micro = num_micro_batches or self.micro_batches
+        train_iterator, was_training = self.data_iterator, self.module.training
+        self.set_dataiterator(data_iter)
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self._exec_schedule(forward_only(self.num_stages, self.stage_id, micro, self.plan.num_slices))
+            mean = sum(self.fwd_outputs) / micro if self.is_last_stage() else None
+            if mean is not None and self.is_data_parallel:
+                dist.all_reduce(mean, group=self.mpu.get_data_parallel_group())
+                mean /= self.dp_world_size
+            return self._bcast_pipe_scalar(mean)
+        finally:
+            self.set_dataiterator(train_iterator)
+            self.module.train(was_training)

@@ -137,6 +137,7 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
             runs = [runner.run(b, l, c) for _ in range(repeats)]
             rows.append([b, l, c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)])
             bar.update(1)
+        step = time_step(runner.params)
     finally:
         bar.close()
         for p in runner.params:
@@ -144,7 +145,7 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
                 p.grad = None
         torch.random.set_rng_state(rng_state)
     itemsize = torch.empty(0, dtype=runner.dtype).element_size()
-    return StageCost.from_samples(rows, hidden, itemsize, time_step(runner.params))
+    return StageCost.from_samples(rows, hidden, itemsize, step)
 
 
 def _progress(total: int, desc: str, enabled: bool):

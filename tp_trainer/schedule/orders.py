@@ -199,6 +199,12 @@ def peak_inflight(steps: list[Step]) -> int:
 SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def forward_only(stages: int, stage_id: int, microbatches: int, num_slices: int) -> list[Step]:
+    """Evaluation order: every unit's forward step in unit order; no backward, no optimizer step."""
+    validate_schedule_args(stages, stage_id, microbatches, num_slices)
+    return [forward_step(stages, stage_id, m, j) for m, j in units(microbatches, num_slices)]
+
+
 def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
                    num_slices: int) -> list[Step]:
     """Build stage ``stage_id``'s steps with the order registered as ``name``.

@@ -313,11 +313,14 @@ class _Simulator:
                 lines.append(f"  {ins} is a collective waiting for every stage; {others}")
         return "\n".join(lines)
 
-    def check_end(self) -> None:
-        """Every stage forwarded and backwarded each of its units once, same units everywhere."""
+    def check_end(self, forward_only: bool = False) -> None:
+        """Every stage forwarded (and, training, backwarded) each of its units once, same units everywhere."""
+        work = (("F", ForwardSlice),) if forward_only else (("F", ForwardSlice), ("B", BackwardSlice))
         for i in range(self.K):
             for m, j in sorted(self.units[i]):
-                for code, cls in (("F", ForwardSlice), ("B", BackwardSlice)):
+                if forward_only and ("B", m, j) in self.done[i]:
+                    self.fail(f"backward in a forward-only schedule: {BackwardSlice(i, m, j)}")
+                for code, cls in work:
                     if (code, m, j) not in self.done[i]:
                         self.fail(f"missing work: unit ({m}, {j}) appears on stage {i} "
                                   f"but {cls(i, m, j)} never ran")
@@ -329,8 +332,11 @@ class _Simulator:
 
 def simulate(schedules: Sequence[Sequence[Sequence[Instruction]]],
              duration: Optional[Callable[[Instruction], float]] = None,
-             comm_time: Optional[Callable[[Instruction], float]] = None) -> SimulationResult:
+             comm_time: Optional[Callable[[Instruction], float]] = None,
+             forward_only: bool = False) -> SimulationResult:
     """Simulate ``schedules[i]`` (stage i's steps) for all stages together.
+
+    ``forward_only``: an evaluation schedule (no backward may appear, none is required).
 
     Returns a :class:`SimulationResult`; raises :class:`ScheduleError` (message:
     what is wrong, then the round x stage grid) on deadlock, broken dependency,
@@ -341,7 +347,7 @@ def simulate(schedules: Sequence[Sequence[Sequence[Instruction]]],
     sim = _Simulator(schedules, duration, comm_time)
     while sim.step():
         pass
-    sim.check_end()
+    sim.check_end(forward_only)
     return SimulationResult(sim.rows, sim.K, sim.clock, sim.timeline)
 
 
