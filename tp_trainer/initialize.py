@@ -16,10 +16,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
 from .engine import TeraPipeEngine
+from .model.adapters import adapter_for
 from .model.pipeline import build_pipeline_module
-
-
-SUPPORTED_MODEL_TYPES = {"gpt2"}
 
 
 def model_positions(config) -> int | None:
@@ -38,9 +36,10 @@ def model_depth(config) -> int:
 def check_run(ds_config: dict, model_config, world_size: int) -> tuple[TeraPipeConfig, int]:
     """All input checks of a run; returns the terapipe options and the number of stages."""
     check_zero_stage(ds_config)
-    if getattr(model_config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model: model_type {getattr(model_config, 'model_type', None)!r} has no pipeline "
-                          f"adapter; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    try:
+        adapter_for(model_config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe"))
     positions = model_positions(model_config)
     if positions is not None and terapipe.seq_len > positions:

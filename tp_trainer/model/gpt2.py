@@ -18,7 +18,7 @@ PREFIX = ("embed", "pos")
 SUFFIX = ("norm", "head")
 
 
-def gpt2_layer_specs(model, ctx: SliceContext) -> list:
+def layer_specs(model, ctx: SliceContext) -> list:
     """DeepSpeed layer specs for a ``GPT2LMHeadModel`` (its submodules are reused, not copied)."""
     config, body = model.config, model.transformer
     tied = bool(config.tie_word_embeddings)

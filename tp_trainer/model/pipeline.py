@@ -6,7 +6,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
-from .gpt2 import PREFIX, SUFFIX, gpt2_layer_specs
+from .adapters import adapter_for
 from .layers import HFPart, SliceContext
 from .split import StageSplit, split_for_config
 
@@ -35,9 +35,10 @@ class TeraPipeModule(PipelineModule):
 def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, **kwargs) -> TeraPipeModule:
     """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages."""
     impl = attn_implementation or model.config._attn_implementation or "sdpa"
+    adapter = adapter_for(model.config)
     ctx = SliceContext(impl)
-    split = split_for_config(model.config, stages, PREFIX, SUFFIX)
-    return TeraPipeModule(gpt2_layer_specs(model, ctx), split, ctx, **kwargs)
+    split = split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
+    return TeraPipeModule(adapter.layer_specs(model, ctx), split, ctx, **kwargs)
 
 
 def hf_named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -35,7 +35,7 @@ class StageSplit:
     costs: tuple[float, ...]
 
 
-PREFIX = ("embed", "pos")
+PREFIX = ("embed",)          # generic defaults; each family's adapter passes its own names
 SUFFIX = ("norm", "head")
 
 

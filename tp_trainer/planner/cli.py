@@ -41,12 +41,17 @@ def stage_layers(model, stages: int):
     """([callables of stage s] for each stage, SliceContext) without DeepSpeed's process group."""
     from deepspeed.pipe import TiedLayerSpec
 
-    from ..model.gpt2 import PREFIX, SUFFIX, gpt2_layer_specs
     from ..model.layers import SliceContext
     from ..model.split import split_for_config
+    try:  # model families by adapter (newer layout); GPT-2 module functions otherwise
+        from ..model.adapters import adapter_for
+        family = adapter_for(model.config)
+    except ImportError:
+        from ..model import gpt2 as family
+    make_specs = getattr(family, "layer_specs", None) or getattr(family, "gpt2_layer_specs")
     ctx = SliceContext(model.config._attn_implementation or "sdpa")
-    specs = gpt2_layer_specs(model, ctx)
-    split = split_for_config(model.config, stages, PREFIX, SUFFIX)
+    specs = make_specs(model, ctx)
+    split = split_for_config(model.config, stages, family.PREFIX, family.SUFFIX)
     tied, out = {}, []
     for s in range(stages):
         funcs = []
