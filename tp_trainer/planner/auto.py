@@ -23,7 +23,7 @@ import torch.distributed as tdist
 
 from .cost_model import PipelineCost
 from .dp import PlannedBatch
-from .profile import profile_stage, time_copy
+from .profile import profile_stage, stage_functions, time_copy
 from .report import make_plan, report
 
 
@@ -135,7 +135,9 @@ def _divisors(n: int) -> list[int]:
 
 def _hidden(module) -> int:
     """Hidden size of a stage: the width of its first LayerNorm (every stage holds a block)."""
-    for m in module.modules():
+    parts = [module] if isinstance(module, torch.nn.Module) else stage_functions(module)
+    parts = [getattr(f, "args", (f,))[0] if not isinstance(f, torch.nn.Module) else f for f in parts]
+    for m in (m for part in parts if isinstance(part, torch.nn.Module) for m in part.modules()):
         if isinstance(m, torch.nn.LayerNorm):
             return int(m.normalized_shape[-1])
         if isinstance(m, torch.nn.Embedding):
