@@ -23,10 +23,17 @@ CLIP = 1.0  # DeepSpeed's default gradient_clipping; the global norm spans every
 SLICES = {"one": [16], "uniform4": "uniform:4", "uneven": [7, 5, 3, 1]}
 
 
-def cases(stages: int) -> list[dict]:
-    """Every (microbatches, slices, tied) combination for one stage count, gpipe order;
-    plus the 1f1b order with 3 microbatches (its warm-up differs from gpipe only then)."""
-    out = []
+def cases(world: int) -> list[dict]:
+    """The cases one launch of ``world`` ranks runs.
+
+    1-3 ranks: pipeline only, every (microbatches, slices, tied) combination in gpipe order, plus
+    the 1f1b order with 3 microbatches (its warm-up differs from gpipe only then).
+    4 ranks: 2 stages x 2 data-parallel replicas with ZeRO-1, both orders, uneven slices.
+    """
+    if world == 4:
+        return [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1)
+                for schedule, tied in itertools.product(("gpipe", "1f1b"), (True, False))]
+    stages, out = world, []
     for micro, slices, tied in itertools.product((1, 3), SLICES, (True, False)):
         out.append(_case(stages, micro, slices, tied, "gpipe"))
     for slices, tied in itertools.product(("uniform4", "uneven"), (True, False)):
@@ -34,10 +41,11 @@ def cases(stages: int) -> list[dict]:
     return out
 
 
-def _case(stages, micro, slices, tied, schedule):
-    return {"name": f"pp{stages}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}",
+def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0):
+    dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
+    return {"name": f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}",
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
-            "schedule": schedule}
+            "schedule": schedule, "replicas": replicas, "zero": zero}
 
 
 def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
@@ -48,10 +56,14 @@ def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config).float()
 
 
-def batches(case: dict, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Microbatches (input_ids, labels) of one step: blocks of SEQ_LEN + 1 tokens, shifted."""
+def batches(case: dict, step: int, replica: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Microbatches (input_ids, labels) of one step (blocks of SEQ_LEN + 1 tokens, shifted):
+    all replicas' (the global batch) or, with ``replica``, that replica's share."""
     gen = torch.Generator().manual_seed(1000 * step + 7)
-    blocks = torch.randint(0, VOCAB, (case["microbatches"], MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+    micro = case["microbatches"]
+    blocks = torch.randint(0, VOCAB, (micro * case["replicas"], MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+    if replica is not None:
+        blocks = blocks[replica * micro:(replica + 1) * micro]
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in blocks]
 
 
@@ -63,5 +75,6 @@ def ds_config(case: dict) -> dict:
         "gradient_clipping": CLIP,
         "pipeline": {"stages": case["stages"]},
         "steps_per_print": 1000,
+        "zero_optimization": {"stage": case["zero"]},
         "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": case["schedule"]},
     }

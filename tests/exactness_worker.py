@@ -1,8 +1,8 @@
 """One rank of the exactness run: trains every case STEPS steps through TeraPipeEngine.
 
-Saves, per case, the losses of each step, this stage's gradients of step 0 (just before the
-optimizer step, after tied/data-parallel reductions) and its parameters after the last step, all
-keyed by HF parameter names. Usage: exactness_worker.py STAGES OUT_DIR
+Saves, per case, the losses of each step, this stage's gradients of step 0 (after the tied-weight
+reduction, before the data-parallel one) and its parameters after the last step, all
+keyed by HF parameter names. Usage: exactness_worker.py WORLD_SIZE OUT_DIR
 """
 
 import os
@@ -20,23 +20,27 @@ def run_case(case):
     engine, *_ = initialize(ec.tiny_model(case["tied"]), ec.ds_config(case))
     named = hf_named_parameters(engine.module)
     grads = {}
-    step_fn = engine._exec_optimizer_step
+    reduce_fn = engine._exec_reduce_grads
 
-    def capture_then_step(*args, **kwargs):
+    def capture_then_reduce(*args, **kwargs):
+        """Step 0's gradients after the tied-weight reduction, before the data-parallel one
+        (ZeRO-1 moves them into its partitions there): the test averages the replicas."""
         if not grads:
             grads.update({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
-        step_fn(*args, **kwargs)
+        reduce_fn(*args, **kwargs)
 
-    engine._exec_optimizer_step = capture_then_step
-    losses = [float(engine.train_batch(iter(ec.batches(case, step)))) for step in range(ec.STEPS)]
+    engine._exec_reduce_grads = capture_then_reduce
+    replica = engine.grid.data_parallel_id
+    losses = [float(engine.train_batch(iter(ec.batches(case, step, replica)))) for step in range(ec.STEPS)]
     params = {n: p.detach().clone() for n, p in named.items()}
-    eval_loss = float(engine.eval_batch(iter(ec.batches(case, ec.EVAL_STEP))))
-    return {"losses": losses, "grads": grads, "params": params, "stage": engine.stage_id, "eval": eval_loss}
+    eval_loss = float(engine.eval_batch(iter(ec.batches(case, ec.EVAL_STEP, replica))))
+    return {"losses": losses, "grads": grads, "params": params, "stage": engine.stage_id, "eval": eval_loss,
+            "replica": replica}
 
 
 def main():
-    stages, out_dir = int(sys.argv[1]), sys.argv[2]
-    results = {case["name"]: run_case(case) for case in ec.cases(stages)}
+    world, out_dir = int(sys.argv[1]), sys.argv[2]
+    results = {case["name"]: run_case(case) for case in ec.cases(world)}
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 

@@ -1,8 +1,10 @@
 """TeraPipe training equals the plain HF model in one process (fp32, dropout 0).
 
-For stages {1,2,3} x microbatches {1,3} x slices {1, uniform 4, [7,5,3,1]} x tied/untied heads:
-loss equal to 1e-6 relative, every parameter gradient within 1e-5 (max abs diff / max abs grad),
-and parameters equal to 1e-5 after 3 AdamW steps. One launch of 1, 2 and 3 ranks runs all cases.
+For stages {1,2,3} x microbatches {1,3} x slices {1, uniform 4, [7,5,3,1]} x tied/untied heads
+(gpipe; 1f1b with 3 microbatches), and 2 stages x 2 replicas with ZeRO-1 (both orders): loss equal
+to 1e-6 relative, every parameter gradient within 1e-5 (max abs diff / max abs grad), parameters
+within 1e-5 after 3 AdamW steps, and the eval loss after training. One launch each of 1, 2, 3 and
+4 ranks runs all cases.
 """
 
 import os
@@ -14,24 +16,32 @@ import exactness_cases as ec
 from multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
-ALL_CASES = [case for stages in (1, 2, 3) for case in ec.cases(stages)]
+WORLDS = (1, 2, 3, 4)
+ALL_CASES = [case for world in WORLDS for case in ec.cases(world)]
 
 
 @pytest.fixture(scope="module")
 def pipeline_results(tmp_path_factory):
     """Per stage count: {case name: {hf param name -> grads/params merged over stages, losses}}."""
     merged = {}
-    for stages in (1, 2, 3):
-        out_dir = tmp_path_factory.mktemp(f"pp{stages}")
-        run_ranks(WORKER, stages, [str(stages), str(out_dir)], timeout=600)
-        for rank in range(stages):
+    for world in WORLDS:
+        out_dir = tmp_path_factory.mktemp(f"world{world}")
+        run_ranks(WORKER, world, [str(world), str(out_dir)], timeout=600)
+        for rank in range(world):
             for name, result in torch.load(out_dir / f"rank{rank}.pt").items():
                 entry = merged.setdefault(name, {"losses": result["losses"], "eval": result["eval"],
                                                  "grads": {}, "params": {}})
                 assert entry["losses"] == result["losses"], f"{name}: stages disagree on the loss"
                 assert entry["eval"] == result["eval"], f"{name}: stages disagree on the eval loss"
-                entry["grads"].update(result["grads"])
-                entry["params"].update(result["params"])
+                replica = result["replica"]
+                for hf_name, tensor in result["params"].items():  # copies (tied, replicas) must agree
+                    if hf_name in entry["params"]:
+                        assert relative(tensor, entry["params"][hf_name]) <= 1e-6, f"{name}: copies of {hf_name}"
+                    entry["params"][hf_name] = tensor
+                for hf_name, tensor in result["grads"].items():  # per replica, before their reduction
+                    entry["grads"].setdefault(hf_name, {})[replica] = tensor
+    for entry in merged.values():  # the data-parallel mean: what DeepSpeed's reduction computes
+        entry["grads"] = {n: torch.stack(list(r.values())).mean(0) for n, r in entry["grads"].items()}
     return merged
 
 
