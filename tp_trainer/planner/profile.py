@@ -5,8 +5,8 @@ run exactly as the engine runs them: ``SliceContext.begin`` with a ``SequenceKV`
 of context, the layers called in order, the loss on the last stage (cross-entropy summed over the
 slice), ``backward`` with an output gradient elsewhere. Each grid point is run ``warmup`` times
 untimed, then ``repeats`` times; the median forward and backward times are kept.
-Grid: l in g, 2g, 4g, ... up to L (and L), c in {0, L/4, L/2, 3L/4, L - l} with c + l <= L, b in the
-given microbatch sizes: ~40 points per b at L = 1024. The points run in a fixed shuffled order,
+Grid: l in g, 1.5g, 2g, 3g, 4g, ... up to L (and L), c in {0, L/8, ..., 7L/8, L - l} with c + l <= L,
+b in the given microbatch sizes: ~110 points per b at L = 1024, g = 8. The points run in a fixed shuffled order,
 so when ``time_budget_s`` runs out the measured points still cover the grid.
 """
 
@@ -98,15 +98,14 @@ def _parameters(func):
 
 def grid(seq_len: int, batch_sizes, granularity: int = 8, seed: int = 0) -> list[tuple[int, int, int]]:
     """Grid points (b, l, c), shuffled with a fixed seed (see the module docstring)."""
-    lengths, l = [], max(1, granularity)
+    lengths, l = {seq_len}, max(1, granularity)
     while l < seq_len:
-        lengths.append(l)
+        lengths.update({l, min(seq_len, l * 3 // 2)})
         l *= 2
-    lengths.append(seq_len)
     points = set()
     for b in batch_sizes:
-        for l in lengths:
-            for c in {0, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len - l}:
+        for l in sorted(lengths):
+            for c in {*(seq_len * k // 8 for k in range(8)), seq_len - l}:
                 if 0 <= c and c + l <= seq_len:
                     points.add((int(b), int(l), int(c)))
     points = sorted(points)
