@@ -38,14 +38,17 @@ def cases(world: int) -> list[dict]:
         out.append(_case(stages, micro, slices, tied, "gpipe"))
     for slices, tied in itertools.product(("uniform4", "uneven"), (True, False)):
         out.append(_case(stages, 3, slices, tied, "1f1b"))
+    if stages > 1:  # activation checkpointing (non-reentrant) of every layer
+        out += [_case(stages, 3, "uneven", True, schedule, ckpt=True) for schedule in ("gpipe", "1f1b")]
     return out
 
 
-def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0):
+def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
-    return {"name": f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}",
+    base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
+    return {"name": base + ("-ckpt" if ckpt else ""), "same_as": base if ckpt else None,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
-            "schedule": schedule, "replicas": replicas, "zero": zero}
+            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt}
 
 
 def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
@@ -73,7 +76,8 @@ def ds_config(case: dict) -> dict:
         "gradient_accumulation_steps": case["microbatches"],
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": CLIP,
-        "pipeline": {"stages": case["stages"]},
+        "pipeline": {"stages": case["stages"], "activation_checkpoint_interval": int(case["ckpt"]),
+                     "use_reentrant": False},
         "steps_per_print": 1000,
         "zero_optimization": {"stage": case["zero"]},
         "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": case["schedule"]},

@@ -33,7 +33,9 @@ def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 60
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        if proc.returncode != 0:
-            raise AssertionError(f"rank {rank} of {script} exited {proc.returncode}:\n{out[-6000:]}")
+    failed = [(rank, proc.returncode, out) for rank, (proc, out) in enumerate(zip(procs, outputs))
+              if proc.returncode != 0]
+    if failed:  # every failing rank: the first to fail is often not rank 0
+        report = "\n".join(f"--- rank {rank} exited {code}:\n{out[-4000:]}" for rank, code, out in failed)
+        raise AssertionError(f"{script} failed on ranks {[r for r, _, _ in failed]}:\n{report}")
     return outputs

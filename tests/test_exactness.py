@@ -88,3 +88,8 @@ def test_matches_hf(pipeline_results, case):
     for name, ref in ref_params.items():
         assert relative(got["params"][name], ref.detach()) <= 1e-5, f"parameter {name} after {ec.STEPS} steps"
     assert abs(got["eval"] - ref_eval) <= 1e-5 * abs(ref_eval), f"eval loss {got['eval']} != HF {ref_eval}"
+    if case["same_as"]:  # activation checkpointing changes nothing: same loss and grads as without it
+        plain = pipeline_results[case["same_as"]]
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], plain["losses"]))
+        for name, grad in plain["grads"].items():
+            assert relative(got["grads"][name], grad) <= 1e-6, f"checkpointed gradient of {name}"

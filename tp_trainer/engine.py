@@ -159,6 +159,9 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_backward_slice(self, cmd: BackwardSlice):
         m, j = cmd.microbatch, cmd.slice
+        # activation checkpointing recomputes this slice's layers inside backward: they must see
+        # this slice's context again, not the last one forwarded
+        self.slice_context.begin(self._kv[m], self._offsets[j], self.plan.slices[j])
         if self.is_last_stage():
             DeepSpeedEngine.backward(self, self._losses.pop((m, j)))
         else:
