@@ -1,18 +1,19 @@
 """GPT-Neo, OPT and Llama-style models (also Qwen2 / Mistral) through the slice-cache pipeline.
 
 1. In process, float64: each family's pipeline layers run slice by slice ([7, 5, 3, 1], backward
-   in reverse slice order) give the whole-sequence HF loss and every gradient to 1e-12 with SDPA (eager: 1e-6, HF's
-   eager attention takes the softmax in float32).
+   in reverse slice order) give the whole-sequence HF loss and every gradient to 1e-12 with SDPA
+   (eager: 1e-6; HF's eager attention takes the softmax in float32).
 2. Through TeraPipeEngine (fp32, dropout 0): tiny random-weight checkpoints written with
-   save_pretrained and loaded with from_pretrained, 2 stages (one launch of 2 ranks runs every
-   case) and 1 stage (one launch of 1 rank), slices [7, 5, 3, 1], 2 microbatches, 2 AdamW steps:
-   loss within 1e-6 relative, gradients within 1e-5 (max abs diff / max abs grad), parameters
-   within 1e-5 after the steps, eval loss within 1e-5. Tied and untied heads, SDPA and eager,
-   GPT-Neo local attention (window 4), OPT with project_in/out and without the final norm, Llama
-   with grouped-query attention, Qwen2 / Mistral sliding windows shorter than the sequence.
+   save_pretrained and loaded with from_pretrained; 2 stages (one launch of 2 ranks runs every
+   case) and 1 stage (one launch of 1 rank, at the same time); slices [7, 5, 3, 1], 2 microbatches,
+   2 AdamW steps: loss within 1e-6 relative, gradients within 1e-5 (max abs diff / max abs grad),
+   parameters within 1e-5 after the steps, eval loss within 1e-5. Tied and untied heads, SDPA and
+   eager, GPT-Neo local attention (window 4), OPT with project_in/out and without the final norm,
+   Llama with grouped-query attention, Qwen2 / Mistral sliding windows shorter than the sequence.
 """
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
@@ -69,8 +70,9 @@ def test_float64_slices_equal_whole_sequence(family, impl, tied):
         hidden = ids[:, start:start + size]
         for layer in layers:
             hidden = layer(hidden)
-        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), labels[:, start:start + size].flatten(),
-                                                        reduction="sum") / ids.numel())
+        window = labels[:, start:start + size]
+        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), window.flatten(), reduction="sum")
+                      / ids.numel())
         start += size
     for loss in reversed(losses):
         loss.backward()
@@ -115,11 +117,16 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline_results(tmp_path_factory, checkpoints):
+    """{case name: merged result}; the launches of 2 ranks and of 1 rank run at the same time."""
+    out_dirs = {stages: str(tmp_path_factory.mktemp(f"families-pp{stages}")) for stages in STAGE_COUNTS}
+    with ThreadPoolExecutor(len(STAGE_COUNTS)) as pool:
+        launches = [pool.submit(run_ranks, WORKER, stages, [str(stages), checkpoints, out_dirs[stages]], 600)
+                    for stages in STAGE_COUNTS]
+        for launch in launches:
+            launch.result()
     merged = {}
     for stages in STAGE_COUNTS:
-        out_dir = tmp_path_factory.mktemp(f"families-pp{stages}")
-        run_ranks(WORKER, stages, [str(stages), checkpoints, str(out_dir)], timeout=600)
-        merged.update(ph.merge_ranks(str(out_dir), stages))
+        merged.update(ph.merge_ranks(out_dirs[stages], stages))
     return merged
 
 

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import gpt2
+from . import gpt2, gpt_neo, llama, opt
 
 ADAPTERS: dict[str, ModuleType] = {
     "gpt2": gpt2,
+    "gpt_neo": gpt_neo,
+    "opt": opt,
+    "llama": llama,
+    "qwen2": llama,    # Qwen2DecoderLayer / MistralDecoderLayer take Llama's arguments (5.23);
+    "mistral": llama,  # their sliding windows come from llama.layer_window
 }
 
 

@@ -28,24 +28,43 @@ class SliceContext:
         self.cache: SliceCache | None = None
         self._mask_key = None
         self._mask = None
+        self._per_slice: dict = {}
 
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length
         self.cache = SliceCache(kv, start)
         self._mask_key = None
+        self._per_slice = {}
+
+    def per_slice(self, key, make):
+        """``make()`` computed once per slice and shared by the stage's layers (keyed by ``key``)."""
+        if key not in self._per_slice:
+            self._per_slice[key] = make()
+        return self._per_slice[key]
 
     def positions(self, device) -> torch.Tensor:
         """Position ids of the slice, shape (1, length): start .. start + length - 1."""
         return torch.arange(self.start, self.start + self.length, device=device)[None]
 
-    def mask(self, hidden: torch.Tensor):
-        """Attention mask of this slice for the HF attention implementation in use."""
+    def mask(self, hidden: torch.Tensor, window: int | None = None):
+        """Attention mask of this slice for the HF attention implementation in use.
+
+        ``window``: a sliding-window layer's size (query at p sees keys p - window < k <= p).
+        """
         dtype = torch.bool if self.attn_implementation != "eager" else hidden.dtype
+        if window is not None:
+            return self.per_slice(("mask", hidden.device, dtype, window), lambda: slice_attention_mask(
+                self.start, self.length, hidden.device, dtype, window=window))
         key = (self.start, self.length, hidden.device, dtype)
         if key != self._mask_key:
             self._mask = slice_attention_mask(self.start, self.length, hidden.device, dtype)
             self._mask_key = key
         return self._mask
+
+    def rotary(self, rotary_emb: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of an HF rotary embedding module at this slice's positions, once per slice."""
+        return self.per_slice(("rotary", id(rotary_emb), hidden.device, hidden.dtype),
+                              lambda: rotary_emb(hidden, self.positions(hidden.device)))
 
 
 class HFPart(nn.Module):
@@ -86,10 +105,59 @@ class DecoderBlock(HFPart):
     """An HF decoder block run on one slice: attends to this slice and the earlier ones.
 
     Cost per slice of length l with context c: projections/MLP ~ 12 h^2 l, attention ~ 2 h l (c + l).
+
+    Options for families whose blocks take other arguments (defaults: GPT-2's call):
+        window        sliding-window size of this layer (mask keys p - window < k <= p), or None
+        rotary        the model's rotary embedding module: passes ``position_embeddings=(cos, sin)``
+                      at the slice's positions (computed once per slice, shared by the stage's
+                      blocks). Held here so ``.to(device)`` moves its buffers; it has no parameters.
+        position_ids  also pass ``position_ids`` of the slice
+        cache_arg     keyword under which the block takes the cache (GPT-Neo: ``layer_past``)
+    A block returning a tuple (hidden, attention weights) gives its first element.
     """
 
+    def __init__(self, inner, hf_name, ctx, *, window: int | None = None, rotary: nn.Module | None = None,
+                 position_ids: bool = False, cache_arg: str = "past_key_values"):
+        super().__init__(inner, hf_name, ctx)
+        self.window = window
+        self.rotary = rotary
+        self.pass_position_ids = position_ids or rotary is not None
+        self.cache_arg = cache_arg
+
     def forward(self, hidden):
-        return self.inner(hidden, past_key_values=self.ctx.cache, attention_mask=self.ctx.mask(hidden))
+        ctx = self.ctx
+        kwargs = {self.cache_arg: ctx.cache, "attention_mask": ctx.mask(hidden, self.window)}
+        if self.pass_position_ids:
+            kwargs["position_ids"] = ctx.per_slice(("positions", hidden.device), lambda: ctx.positions(hidden.device))
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = ctx.rotary(self.rotary, hidden)
+        out = self.inner(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class OffsetPositions(HFPart):
+    """Adds an HF position embedding that takes ``position_ids`` and applies its own offset (OPT's
+    ``OPTLearnedPositionalEmbedding``: rows shifted by 2), at the slice's positions."""
+
+    def forward(self, hidden):
+        positions = self.ctx.positions(hidden.device)
+        return hidden + self.inner(None, 0, position_ids=positions).to(hidden.device, hidden.dtype)
+
+
+class Projection(HFPart):
+    """A bias-free HF linear projection between widths (OPT's ``project_in`` / ``project_out``)."""
+
+    def forward(self, hidden):
+        return self.inner(hidden)
+
+
+class Passthrough(nn.Module):
+    """A layer slot the checkpoint does not have (e.g. OPT without project_in): hidden -> hidden.
+
+    Keeps every model of a family on the same layer names (adapter PREFIX / SUFFIX)."""
+
+    def forward(self, hidden):
+        return hidden
 
 
 class FinalNorm(HFPart):

@@ -109,17 +109,22 @@ class SliceCache(Cache):
         return False
 
 
-def slice_attention_mask(start: int, length: int, device, dtype=torch.bool):
+def slice_attention_mask(start: int, length: int, device, dtype=torch.bool, window: int | None = None):
     """Causal mask of one slice against its context: query i sees keys 0 .. start + i.
 
     Shape (1, 1, length, start + length). Boolean (True = attend) for SDPA; for eager attention
     pass a float dtype and get the additive form (0 where allowed, dtype min elsewhere).
     Returns None for a boolean first slice (start == 0): HF's SDPA path then takes the fast
     ``is_causal`` kernel, the same one the unsliced model uses. Eager attention always needs a mask.
+    ``window``: sliding-window attention (HF's ``sliding_window_overlay``): query i, at position
+    start + i, sees only keys k with start + i - window < k <= start + i.
     """
-    if start == 0 and dtype == torch.bool:
+    windowed = window is not None and start + length > window
+    if start == 0 and dtype == torch.bool and not windowed:
         return None
     allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(diagonal=start)
+    if windowed:
+        allowed = allowed & ~allowed.tril(diagonal=start - window)
     allowed = allowed[None, None]
     if dtype == torch.bool:
         return allowed

@@ -69,7 +69,8 @@ def split_for_config(config, stages: int, prefix=PREFIX, suffix=SUFFIX) -> Stage
     """``split_stages`` for a Hugging Face config (GPT-2 names or the common ones)."""
     num_blocks = getattr(config, "num_hidden_layers", None) or config.n_layer
     hidden = getattr(config, "hidden_size", None) or config.n_embd
-    inner = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    inner = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+             or getattr(config, "ffn_dim", None))  # OPT
     return split_stages(num_blocks, stages, hidden, config.vocab_size, inner, prefix, suffix)
 
 

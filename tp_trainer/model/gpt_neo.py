@@ -1,0 +1,47 @@
+"""GPT-Neo (GPT-3-style: alternating global / local attention) as pipeline layers.
+
+The HF modules of ``GPTNeoForCausalLM``, unchanged, in stage order:
+    embed  transformer.wte   token embedding (tied with the LM head when the config ties them)
+    pos    transformer.wpe   learned positions at the slice's offsets, + embed_dropout
+    h.i    transformer.h.i   GPTNeoBlock, attending to earlier slices through the slice cache
+    norm   transformer.ln_f
+    head   lm_head           or, when tied, the embedding's weight used as the output projection
+
+HF quirks (transformers 5.23): the block takes the cache as ``layer_past`` and returns a tuple
+(hidden, attention weights); only eager (and flash-attention-2) attention exist, no SDPA. The
+eager attention applies its own causal / local-window ``bias`` buffer aligned to the END of the
+keys (rows key_len - q_len .. key_len), which is the slice's offset positions when the keys are
+the slice cache's [0, start + length); the additive mask passed here repeats the same pattern
+(with ``window_size`` for the layers ``config.attention_layers`` marks "local").
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .layers import DecoderBlock, FinalNorm, LearnedPositions, LMHead, SliceContext, TokenEmbedding, tied_lm_head
+
+PREFIX = ("embed", "pos")
+SUFFIX = ("norm", "head")
+
+
+def layer_specs(model, ctx: SliceContext) -> list:
+    """DeepSpeed layer specs for a ``GPTNeoForCausalLM`` (its submodules are reused, not copied)."""
+    config, body = model.config, model.transformer
+    embed_args = (TokenEmbedding, body.wte, "transformer.wte", ctx)
+    if config.tie_word_embeddings:
+        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
+        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
+    else:
+        embed = LayerSpec(*embed_args)
+        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    blocks = [LayerSpec(DecoderBlock, block, f"transformer.h.{i}", ctx, cache_arg="layer_past",
+                        window=config.window_size if config.attention_layers[i] == "local" else None)
+              for i, block in enumerate(body.h)]
+    return [
+        embed,
+        LayerSpec(LearnedPositions, body.wpe, "transformer.wpe", ctx, dropout=float(config.embed_dropout)),
+        *blocks,
+        LayerSpec(FinalNorm, body.ln_f, "transformer.ln_f", ctx),
+        head,
+    ]

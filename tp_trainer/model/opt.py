@@ -1,0 +1,56 @@
+"""OPT as pipeline layers: the HF modules of ``OPTForCausalLM``, unchanged, in stage order.
+
+    embed     model.decoder.embed_tokens     token embedding, width word_embed_proj_dim (tied with
+                                             the LM head when the config ties them)
+    proj_in   model.decoder.project_in       word_embed_proj_dim -> hidden_size (pass-through
+                                             when the widths agree and the checkpoint has none)
+    pos       model.decoder.embed_positions  learned positions, rows offset by 2 (HF's module adds
+                                             the offset itself, given the slice's position_ids)
+    h.i       model.decoder.layers.i         OPTDecoderLayer through the slice cache
+    norm      model.decoder.final_layer_norm (pass-through when do_layer_norm_before is False, e.g.
+                                             opt-350m, or the checkpoint removed it)
+    proj_out  model.decoder.project_out      hidden_size -> word_embed_proj_dim (or pass-through)
+    head      lm_head                        or the embedding's weight when tied
+
+Order as in ``OPTDecoder.forward``: project_in runs before the positions are added (positions
+have hidden_size), so stage 0 already sends hidden_size activations. OPT has no embedding dropout;
+``config.dropout`` acts inside the decoder layers. Optional slots are pass-throughs so that every OPT
+checkpoint has the same layer names.
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .layers import (DecoderBlock, FinalNorm, LMHead, OffsetPositions, Passthrough, Projection, SliceContext,
+                     TokenEmbedding, tied_lm_head)
+
+PREFIX = ("embed", "proj_in", "pos")
+SUFFIX = ("norm", "proj_out", "head")
+
+
+def _optional(cls, module, hf_name, ctx):
+    return LayerSpec(Passthrough) if module is None else LayerSpec(cls, module, hf_name, ctx)
+
+
+def layer_specs(model, ctx: SliceContext) -> list:
+    """DeepSpeed layer specs for an ``OPTForCausalLM`` (its submodules are reused, not copied)."""
+    config, body, name = model.config, model.model.decoder, "model.decoder"
+    embed_args = (TokenEmbedding, body.embed_tokens, f"{name}.embed_tokens", ctx)
+    if config.tie_word_embeddings:
+        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
+        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
+    else:
+        embed = LayerSpec(*embed_args)
+        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    blocks = [LayerSpec(DecoderBlock, layer, f"{name}.layers.{i}", ctx, position_ids=True)
+              for i, layer in enumerate(body.layers)]
+    return [
+        embed,
+        _optional(Projection, body.project_in, f"{name}.project_in", ctx),
+        LayerSpec(OffsetPositions, body.embed_positions, f"{name}.embed_positions", ctx),
+        *blocks,
+        _optional(FinalNorm, body.final_layer_norm, f"{name}.final_layer_norm", ctx),
+        _optional(Projection, body.project_out, f"{name}.project_out", ctx),
+        head,
+    ]
