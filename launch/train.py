@@ -33,6 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--block_size", type=int, help="sequence length; overrides terapipe.seq_len")
     train = parser.add_argument_group("training")
     train.add_argument("--max_steps", type=int, default=30, help="optimizer steps to run (default 30)")
+    train.add_argument("--eval_interval", type=int, default=10, help="evaluate every N steps (and at the end)")
+    train.add_argument("--eval_batches", type=int, default=4, help="batches per evaluation")
+    train.add_argument("--no_save_hf", dest="save_hf", action="store_false",
+                       help="do not write the trained model as a Hugging Face directory at the end")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--output_dir", default="runs/latest", help="where the plan and logs are written")
     train.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))

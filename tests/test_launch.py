@@ -1,5 +1,6 @@
 """launch/train.py: bad input stops before any work with one message; the main job trains."""
 
+import glob
 import json
 import logging
 import os
@@ -64,16 +65,58 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
     assert "--deepspeed_config: " in caplog.text and "is not valid JSON" in caplog.text
 
 
-@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
-def test_launcher_trains_two_stages(tmp_path):
-    out = tmp_path / "run"
-    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config", TINY,
-           "--max_steps", "8", "--output_dir", str(out)]
+def launch(tmp_path, *flags, config=TINY):
+    """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log."""
+    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config", config, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
-    losses = [float(x) for x in re.findall(r"\[rank 0\] [\d:]+ step \d+ loss ([\d.]+)", log)]
+    return log
+
+
+def logged(log: str, pattern: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\[rank 0\] [\d:]+ " + pattern, log)]
+
+
+needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+
+
+@needs_launcher
+def test_launcher_trains_two_stages(tmp_path):
+    out = tmp_path / "run"
+    log = launch(tmp_path, "--max_steps", "8", "--eval_interval", "8", "--eval_batches", "1",
+                 "--output_dir", str(out), "--no_save_hf")
+    losses = logged(log, r"step \d+ loss ([\d.]+)")
     assert len(losses) == 8, log[-3000:]
     assert losses[-1] < losses[0] - 0.5, losses
     assert json.loads((out / "plan.json").read_text())["slices"] == [80, 72, 56, 48]
+    assert not (out / "hf_model").exists()
+
+
+def stdlib_text(*packages: str) -> str:
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for p in packages for f in glob.glob(os.path.join(root, p, "*.py")))
+    return "\n\n".join(open(f, encoding="utf-8").read() for f in files)
+
+
+@needs_launcher
+def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
+    """--train_file/--validation_file: validation perplexity falls; the exported HF directory
+    resumes with --model_name_or_path at exactly the perplexity the first run ended with."""
+    train, val = tmp_path / "train.txt", tmp_path / "val.txt"
+    train.write_text(stdlib_text("json", "email", "asyncio"))
+    val.write_text(stdlib_text("http"))
+    files = ["--train_file", str(train), "--validation_file", str(val), "--eval_batches", "2"]
+    first = tmp_path / "first"
+    log = launch(tmp_path, *files, "--max_steps", "6", "--eval_interval", "3", "--output_dir", str(first))
+    ppl = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
+    assert len(ppl) == 3 and ppl[0] > ppl[1] > ppl[2], ppl
+    hf_dir = first / "hf_model"
+    assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors.index.json").exists()
+    log = launch(tmp_path, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
+                 "--eval_interval", "3", "--output_dir", str(tmp_path / "second"), "--no_save_hf")
+    resumed = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
+    assert resumed[0] == pytest.approx(ppl[-1], rel=1e-4), (resumed, ppl)
+    assert resumed[-1] < resumed[0], resumed

@@ -14,6 +14,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
 
+from .checkpoint import materialize_stage
 from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
 from .engine import TeraPipeEngine
 from .model.adapters import adapter_for
@@ -61,16 +62,21 @@ def launch_world_size() -> int:
 
 
 def initialize(model, config, args=None, training_data=None, optimizer=None, lr_scheduler=None,
-               collate_fn=None, dist_init_required=None):
+               collate_fn=None, dist_init_required=None, checkpoint=None, seed=0):
     """Split ``model`` (an HF causal LM) into pipeline stages and build a TeraPipeEngine.
 
     ``config``: the DeepSpeed config (dict or JSON path) with a ``terapipe`` section.
+    ``model`` may live on the meta device (``checkpoint.meta_model``): this rank then materializes
+    only its own stage's submodules, from ``checkpoint`` (an HF directory) or, without one, a
+    seeded init that does not depend on the number of stages.
     Returns (engine, optimizer, training_dataloader, lr_scheduler) like ``deepspeed.initialize``.
     """
     ds_config = load_ds_config(config)
     terapipe, stages = check_run(ds_config, model.config, launch_world_size())
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                dist_init_required=dist_init_required)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    materialize_stage(model, stages, checkpoint, seed=seed, device=get_accelerator().device_name(local_rank))
     module = build_pipeline_module(model, stages)
     config_class = DeepSpeedConfig(ds_config, module.mpu())
     deepspeed.set_optimizer_flags(config_class, module)

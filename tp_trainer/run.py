@@ -34,12 +34,16 @@ class RunArgs:
     validation_file: str | None = None
     block_size: int | None = None
     max_steps: int = 30
+    eval_interval: int = 10
+    eval_batches: int = 4
     seed: int = 1234
     output_dir: str = "runs/latest"
+    save_hf: bool = True
 
     def __post_init__(self):
-        if self.max_steps < 1:
-            raise ConfigError(f"--max_steps: must be >= 1, got {self.max_steps}")
+        for name in ("max_steps", "eval_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name}: must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def from_namespace(cls, ns) -> "RunArgs":
@@ -55,21 +59,15 @@ def setup_logging() -> int:
 
 def model_config(args: RunArgs, vocab_size: int):
     """The HF config of the model to train (read only: no weights are touched here)."""
-    from transformers import AutoConfig
-
+    from .checkpoint import checkpoint_config
     from .model.presets import preset_config
     if args.model_name_or_path:
-        return AutoConfig.from_pretrained(args.model_name_or_path)
-    return preset_config(args.config_name, vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         bos_token_id=0, eos_token_id=0)  # <|endoftext|> is id 0 in the embedded tokenizer
-
-
-def build_model(args: RunArgs, config):
-    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
-    torch.manual_seed(args.seed)
-    if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, torch_dtype=torch.float32)
-    return GPT2LMHeadModel(config)
+        return checkpoint_config(args.model_name_or_path)
+    try:
+        return preset_config(args.config_name, vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0)  # <|endoftext|> is id 0 in the embedded tokenizer
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def prepare(args: RunArgs):
@@ -106,24 +104,58 @@ def _train(args, ds_config, data_args, rank) -> list[float]:
     tokenizer, dataset = _data_rank0_first(args, data_args, rank)
     if rank == 0:
         log.info("data: %s", dataset.summary())
+    from .checkpoint import meta_model
     config = model_config(args, vocab_size=len(tokenizer))
-    engine, *_ = initialize(build_model(args, config), ds_config, training_data=dataset)
+    engine, *_ = initialize(meta_model(config), ds_config, training_data=dataset,
+                            checkpoint=args.model_name_or_path, seed=args.seed)
+    validation = build_lm_dataset(data_args, tokenizer, "validation")
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "plan.json"), "w", encoding="utf-8") as handle:
             handle.write(engine.plan.to_json())
         log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
     losses = []
-    bar = tqdm(range(args.max_steps), desc="train", disable=rank != 0, dynamic_ncols=True)
+    evaluate(engine, validation, args, step=0, rank=rank)
+    bar = tqdm(range(1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
         loss = float(engine.train_batch())
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
         if rank == 0:
-            log.info("step %d loss %.4f", step + 1, loss)
+            log.info("step %d loss %.4f", step, loss)
+        if step % args.eval_interval == 0 or step == args.max_steps:
+            evaluate(engine, validation, args, step=step, rank=rank)
     if rank == 0:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
+    if args.save_hf:
+        from .checkpoint import save_hf_checkpoint
+        target = os.path.join(args.output_dir, "hf_model")
+        save_hf_checkpoint(engine, target, config, tokenizer=tokenizer)
+        if rank == 0:
+            log.info("saved Hugging Face model to %s", target)
     return losses
+
+
+def evaluate(engine, dataset, args: RunArgs, step: int, rank: int) -> float:
+    """Validation loss and perplexity over ``args.eval_batches`` batches, through the pipeline."""
+    import math
+
+    from torch.utils.data import DataLoader, DistributedSampler
+    sampler = DistributedSampler(dataset, num_replicas=engine.dp_world_size,
+                                 rank=engine.grid.data_parallel_id, shuffle=False)
+    loader = iter(DataLoader(dataset, batch_size=engine.micro_batch_size, sampler=sampler, drop_last=True))
+    needed = engine.micro_batches * args.eval_batches * engine.micro_batch_size * engine.dp_world_size
+    if len(dataset) < needed:
+        raise ConfigError(f"validation: {len(dataset)} blocks, but --eval_batches {args.eval_batches} needs "
+                          f"{needed}; lower --eval_batches or give a larger validation set")
+    losses = [float(engine.eval_batch(loader)) for _ in range(args.eval_batches)]
+    loss = sum(losses) / len(losses)
+    if rank == 0:
+        log.info("step %d validation loss %.4f perplexity %.2f", step, loss, math.exp(loss))
+        if engine.monitor.enabled:
+            engine.monitor.write_events([("Validation/loss", loss, step),
+                                         ("Validation/perplexity", math.exp(loss), step)])
+    return loss
 
 
 def _data_rank0_first(args, data_args, rank):
