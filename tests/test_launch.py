@@ -56,6 +56,19 @@ def test_bad_input_stops_before_work(tmp_path, monkeypatch, caplog, changes, wor
     assert not out.exists(), "nothing may be written on bad input"
 
 
+@pytest.mark.skipif(bool(__import__("deepspeed").accelerator.get_accelerator().is_fp16_supported()),
+                    reason="this machine computes in fp16")
+def test_fp16_refused_where_unsupported(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    args = RunArgs(deepspeed_config=write_config(tmp_path, fp16={"enabled": True}), output_dir=str(out))
+    with caplog.at_level(logging.ERROR, logger="tp_trainer"), pytest.raises(SystemExit):
+        run(args)
+    assert "fp16.enabled: the cpu accelerator of this machine does not support fp16" in caplog.text
+    assert not out.exists()
+
+
 def test_invalid_json_config(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RANK", "0")
     bad = tmp_path / "bad.json"

@@ -43,6 +43,7 @@ class TeraPipeEngine(PipelineEngine):
         self.schedule_name = schedule
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
+        self.activation_tracker = None  # set to a memory.ActivationTracker to measure activations
         self._offsets = plan.offsets
         self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
         self._reset_step_state()
@@ -132,7 +133,11 @@ class TeraPipeEngine(PipelineEngine):
         m, j = cmd.microbatch, cmd.slice
         kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
         self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
-        outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+        if self.activation_tracker is None:
+            outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+        else:
+            with self.activation_tracker.track():
+                outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
         training = torch.is_grad_enabled()
         if not training and j == self.plan.num_slices - 1:
             del self._kv[m]  # no backward will need it

@@ -46,12 +46,24 @@ def check_run(ds_config: dict, model_config, world_size: int) -> tuple[TeraPipeC
     if positions is not None and terapipe.seq_len > positions:
         raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} exceeds the model's {positions} positions; "
                           f"use a sequence length <= {positions}")
+    check_precision(ds_config)
     stages = pipeline_stages(ds_config, world_size)
     depth = model_depth(model_config)
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
     return terapipe, stages
+
+
+def check_precision(ds_config: dict) -> None:
+    """fp16 / bf16 only where this machine's accelerator computes in them."""
+    accelerator = get_accelerator()
+    for key, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if ds_config.get(key, {}).get("enabled", False) and not supported():
+            other = "bf16" if key == "fp16" else "fp32 (no precision section)"
+            raise ConfigError(f"{key}.enabled: the {accelerator.device_name()} accelerator of this machine does "
+                              f"not support {key} (DeepSpeed: \"Type {key} is not supported on your device\"); "
+                              f"use {other} here, or run this config on a GPU")
 
 
 def launch_world_size() -> int:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from .config import ConfigError, load_ds_config
 from .data import DataArgs, DataConfigError, build_lm_dataset, get_tokenizer
 from .initialize import check_run, initialize, launch_world_size
+from .memory import ActivationTracker, memory_report
 
 log = logging.getLogger("tp_trainer")
 
@@ -108,6 +109,7 @@ def _train(args, ds_config, data_args, rank) -> list[float]:
     config = model_config(args, vocab_size=len(tokenizer))
     engine, *_ = initialize(meta_model(config), ds_config, training_data=dataset,
                             checkpoint=args.model_name_or_path, seed=args.seed)
+    engine.activation_tracker = ActivationTracker(engine.module.parameters())
     validation = build_lm_dataset(data_args, tokenizer, "validation")
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -125,8 +127,11 @@ def _train(args, ds_config, data_args, rank) -> list[float]:
             log.info("step %d loss %.4f", step, loss)
         if step % args.eval_interval == 0 or step == args.max_steps:
             evaluate(engine, validation, args, step=step, rank=rank)
+            log.info("memory (stage %d): %s", engine.stage_id,
+                     memory_report(engine.device, engine.activation_tracker))
     if rank == 0:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
+    log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
     if args.save_hf:
         from .checkpoint import save_hf_checkpoint
         target = os.path.join(args.output_dir, "hf_model")

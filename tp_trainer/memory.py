@@ -1,0 +1,83 @@
+"""Memory figures of a rank: peak process memory, device memory, and live activation bytes.
+
+On CPU there is no allocator statistic, so activation memory is measured directly: every tensor
+autograd saves for backward is counted (once per storage, parameters excluded) from the moment it
+is saved until autograd frees it. The K/V buffers of the slice cache are saved tensors too, so they
+are counted. Peak RSS comes from the OS (ru_maxrss: the high-water mark of the whole process).
+"""
+
+from __future__ import annotations
+
+import resource
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+
+class ActivationTracker:
+    """Live and peak bytes of tensors saved for backward (activations), excluding parameters."""
+
+    def __init__(self, parameters=()):
+        self._param_storages = {p.untyped_storage().data_ptr() for p in parameters}
+        self._refs: dict[int, int] = {}      # storage ptr -> saved tensors still holding it
+        self._sizes: dict[int, int] = {}     # storage ptr -> bytes
+        self.live = 0
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_storages or tensor.device.type == "meta":
+            return tensor
+        if self._refs.get(ptr, 0) == 0:
+            self._sizes[ptr] = storage.nbytes()
+            self.live += self._sizes[ptr]
+            self.peak = max(self.peak, self.live)
+        self._refs[ptr] = self._refs.get(ptr, 0) + 1
+        handle = _Saved(tensor)
+        weakref.finalize(handle, self._release, ptr)
+        return handle
+
+    def _release(self, ptr: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            self.live -= self._sizes.pop(ptr)
+            del self._refs[ptr]
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    @contextmanager
+    def track(self):
+        """Count the tensors saved by autograd inside this block."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+class _Saved:
+    """What autograd keeps instead of the tensor; its collection marks the tensor as freed."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def peak_rss_mb() -> float:
+    """High-water mark of this process's resident memory, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory_report(device, tracker: ActivationTracker | None = None) -> str:
+    """One line: peak RSS, device peak (CUDA), peak activations (when tracked)."""
+    parts = [f"peak rss {peak_rss_mb():.0f} MiB"]
+    if torch.device(device).type == "cuda":
+        parts.append(f"device peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
+    if tracker is not None:
+        parts.append(f"peak activations {tracker.peak / 2**20:.1f} MiB")
+    return ", ".join(parts)
