@@ -22,4 +22,4 @@ def test_tracks_saved_activations_until_backward():
 def test_report_names_the_figures():
     tracker = ActivationTracker()
     line = memory_report("cpu", tracker)
-    assert line.startswith("peak rss ") and "peak activations 0.0 MiB" in line
+    assert line.startswith("peak rss ") and "peak saved activations 0.0 MiB" in line

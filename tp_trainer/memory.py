@@ -3,7 +3,9 @@
 On CPU there is no allocator statistic, so activation memory is measured directly: every tensor
 autograd saves for backward is counted (once per storage, parameters excluded) from the moment it
 is saved until autograd frees it. The K/V buffers of the slice cache are saved tensors too, so they
-are counted. Peak RSS comes from the OS (ru_maxrss: the high-water mark of the whole process).
+are counted. Inside a non-reentrant activation checkpoint autograd uses the checkpoint's own hooks,
+so what a checkpoint keeps (its inputs) is not seen: with checkpointing on, the figure is only the
+part saved outside checkpoints. Peak RSS comes from the OS (ru_maxrss: the process high-water mark).
 """
 
 from __future__ import annotations
@@ -79,5 +81,5 @@ def memory_report(device, tracker: ActivationTracker | None = None) -> str:
     if torch.device(device).type == "cuda":
         parts.append(f"device peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
     if tracker is not None:
-        parts.append(f"peak activations {tracker.peak / 2**20:.1f} MiB")
+        parts.append(f"peak saved activations {tracker.peak / 2**20:.1f} MiB (outside activation checkpoints)")
     return ", ".join(parts)
