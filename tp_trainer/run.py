@@ -10,7 +10,6 @@ import logging
 import os
 from dataclasses import dataclass, fields
 
-import torch
 from tqdm import tqdm
 
 from .config import ConfigError, load_ds_config

@@ -17,9 +17,15 @@ the slice cache's [0, start + length); the additive mask passed here repeats the
 
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import LayerSpec
 
-from .layers import DecoderBlock, FinalNorm, LearnedPositions, LMHead, SliceContext, TokenEmbedding, tied_lm_head
+from .layers import (
+    DecoderBlock,
+    FinalNorm,
+    LearnedPositions,
+    SliceContext,
+)
+from .specs import embed_and_head_specs
 
 PREFIX = ("embed", "pos")
 SUFFIX = ("norm", "head")
@@ -28,13 +34,7 @@ SUFFIX = ("norm", "head")
 def layer_specs(model, ctx: SliceContext) -> list:
     """DeepSpeed layer specs for a ``GPTNeoForCausalLM`` (its submodules are reused, not copied)."""
     config, body = model.config, model.transformer
-    embed_args = (TokenEmbedding, body.wte, "transformer.wte", ctx)
-    if config.tie_word_embeddings:
-        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
-        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
-    else:
-        embed = LayerSpec(*embed_args)
-        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    embed, head = embed_and_head_specs(config, body.wte, "transformer.wte", model.lm_head, ctx)
     blocks = [LayerSpec(DecoderBlock, block, f"transformer.h.{i}", ctx, cache_arg="layer_past",
                         window=config.window_size if config.attention_layers[i] == "local" else None)
               for i, block in enumerate(body.h)]

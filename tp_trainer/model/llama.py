@@ -16,9 +16,14 @@ read the window from the mask only.
 
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import LayerSpec
 
-from .layers import DecoderBlock, FinalNorm, LMHead, SliceContext, TokenEmbedding, tied_lm_head
+from .layers import (
+    DecoderBlock,
+    FinalNorm,
+    SliceContext,
+)
+from .specs import embed_and_head_specs
 
 PREFIX = ("embed",)
 SUFFIX = ("norm", "head")
@@ -37,13 +42,7 @@ def layer_window(config, i: int) -> int | None:
 def layer_specs(model, ctx: SliceContext) -> list:
     """DeepSpeed layer specs for a ``LlamaForCausalLM`` (its submodules are reused, not copied)."""
     config, body = model.config, model.model
-    embed_args = (TokenEmbedding, body.embed_tokens, "model.embed_tokens", ctx)
-    if config.tie_word_embeddings:
-        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
-        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
-    else:
-        embed = LayerSpec(*embed_args)
-        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    embed, head = embed_and_head_specs(config, body.embed_tokens, "model.embed_tokens", model.lm_head, ctx)
     blocks = [LayerSpec(DecoderBlock, layer, f"model.layers.{i}", ctx, rotary=body.rotary_emb,
                         window=layer_window(config, i))
               for i, layer in enumerate(body.layers[:config.num_hidden_layers])]

@@ -20,10 +20,17 @@ checkpoint has the same layer names.
 
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import LayerSpec
 
-from .layers import (DecoderBlock, FinalNorm, LMHead, OffsetPositions, Passthrough, Projection, SliceContext,
-                     TokenEmbedding, tied_lm_head)
+from .layers import (
+    DecoderBlock,
+    FinalNorm,
+    OffsetPositions,
+    Passthrough,
+    Projection,
+    SliceContext,
+)
+from .specs import embed_and_head_specs
 
 PREFIX = ("embed", "proj_in", "pos")
 SUFFIX = ("norm", "proj_out", "head")
@@ -36,13 +43,7 @@ def _optional(cls, module, hf_name, ctx):
 def layer_specs(model, ctx: SliceContext) -> list:
     """DeepSpeed layer specs for an ``OPTForCausalLM`` (its submodules are reused, not copied)."""
     config, body, name = model.config, model.model.decoder, "model.decoder"
-    embed_args = (TokenEmbedding, body.embed_tokens, f"{name}.embed_tokens", ctx)
-    if config.tie_word_embeddings:
-        embed = TiedLayerSpec("embed", *embed_args, tied_weight_attr=["inner.weight"])
-        head = TiedLayerSpec("embed", *embed_args, forward_fn=tied_lm_head, tied_weight_attr=["inner.weight"])
-    else:
-        embed = LayerSpec(*embed_args)
-        head = LayerSpec(LMHead, model.lm_head, "lm_head", ctx)
+    embed, head = embed_and_head_specs(config, body.embed_tokens, f"{name}.embed_tokens", model.lm_head, ctx)
     blocks = [LayerSpec(DecoderBlock, layer, f"{name}.layers.{i}", ctx, position_ids=True)
               for i, layer in enumerate(body.layers)]
     return [
