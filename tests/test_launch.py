@@ -38,6 +38,11 @@ BAD_INPUTS = [
     ({"zero_optimization": {"stage": 2}}, 2, {}, "zero_optimization.stage: 2 cannot be combined"),
     ({"terapipe.schedule": "zigzag"}, 2, {}, "terapipe.schedule: unknown schedule 'zigzag'"),
     ({}, 2, {"train_file": "/nonexistent/train.txt"}, "train_file"),
+    ({"bf16": {"enabled": True}}, 2, {"save_interval": 5}, "--save_interval: DeepSpeed cannot resume bf16 checkpoints"),
+    ({}, 2, {"resume": "latest"}, "--resume latest: no complete checkpoint"),
+    ({}, 2, {"config_name": "gpt5"}, "--config_name: unknown preset 'gpt5'"),
+    ({}, 2, {"max_steps": 0}, "--max_steps: must be >= 1, got 0"),
+    ({}, 2, {"model_name_or_path": "/nonexistent/ckpt"}, "/nonexistent/ckpt"),
 ]
 
 
@@ -46,9 +51,8 @@ def test_bad_input_stops_before_work(tmp_path, monkeypatch, caplog, changes, wor
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     out = tmp_path / "run"
-    args = RunArgs(deepspeed_config=write_config(tmp_path, **changes), output_dir=str(out), **extra)
     with caplog.at_level(logging.ERROR, logger="tp_trainer"), pytest.raises(SystemExit) as stop:
-        run(args)
+        run(RunArgs(deepspeed_config=write_config(tmp_path, **changes), output_dir=str(out), **extra))
     assert stop.value.code == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and message in errors[0], errors

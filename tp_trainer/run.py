@@ -14,8 +14,11 @@ from tqdm import tqdm
 
 from .config import ConfigError, load_ds_config
 from .data import DataArgs, DataConfigError, build_lm_dataset, get_tokenizer
+from . import faults, resume
+from .data.sampling import replica_batches
 from .initialize import check_run, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
+from .resume import checkpoint_dir, resolve_resume
 
 log = logging.getLogger("tp_trainer")
 
@@ -39,11 +42,15 @@ class RunArgs:
     seed: int = 1234
     output_dir: str = "runs/latest"
     save_hf: bool = True
+    save_interval: int | None = None
+    resume: str | None = None
 
-    def __post_init__(self):
-        for name in ("max_steps", "eval_interval", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name}: must be >= 1, got {getattr(self, name)}")
+    def check(self):
+        """Flag values (checked in ``run`` with the other input checks)."""
+        for name in ("max_steps", "eval_interval", "eval_batches", "save_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name}: must be >= 1, got {value}")
 
     @classmethod
     def from_namespace(cls, ns) -> "RunArgs":
@@ -70,6 +77,18 @@ def model_config(args: RunArgs, vocab_size: int):
         raise ConfigError(str(err)) from None
 
 
+def check_checkpointable(ds_config: dict, args: RunArgs) -> None:
+    """DeepSpeed 0.19.8 saves bf16-without-ZeRO checkpoints it cannot load (KeyError: 0 in
+    BF16_Optimizer._load_legacy_checkpoint): refuse before training rather than at resume time."""
+    bf16 = ds_config.get("bf16", {}).get("enabled", False)
+    zero = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if bf16 and zero == 0 and (args.save_interval or args.resume):
+        flag = "--resume" if args.resume else "--save_interval"
+        raise ConfigError(f"{flag}: DeepSpeed cannot resume bf16 checkpoints without ZeRO (KeyError in "
+                          f"BF16_Optimizer._load_legacy_checkpoint); set \"zero_optimization\": {{\"stage\": 1}} "
+                          f"with bf16, or train without checkpoints")
+
+
 def prepare(args: RunArgs):
     """All checks and the data, before any process group: (ds_config, data_args, model config)."""
     ds_config = load_ds_config(args.deepspeed_config)
@@ -87,17 +106,20 @@ def run(args: RunArgs) -> list[float]:
     """Train ``args.max_steps`` steps; returns the losses (rank 0 shows them with tqdm)."""
     rank = setup_logging()
     try:
+        args.check()
         ds_config, data_args = prepare(args)
         # the vocabulary does not matter for the checks (positions, depth, stages)
         check_run(ds_config, model_config(args, vocab_size=1), launch_world_size())
+        check_checkpointable(ds_config, args)
+        resume_from = resolve_resume(args.output_dir, args.resume) if args.resume else None
     except (ConfigError, DataConfigError, OSError) as err:
         if rank == 0:
             log.error("error: %s", err)
         raise SystemExit(2) from None
-    return _train(args, ds_config, data_args, rank)
+    return _train(args, ds_config, data_args, rank, resume_from)
 
 
-def _train(args, ds_config, data_args, rank) -> list[float]:
+def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
@@ -106,29 +128,42 @@ def _train(args, ds_config, data_args, rank) -> list[float]:
         log.info("data: %s", dataset.summary())
     from .checkpoint import meta_model
     config = model_config(args, vocab_size=len(tokenizer))
-    engine, *_ = initialize(meta_model(config), ds_config, training_data=dataset,
-                            checkpoint=args.model_name_or_path, seed=args.seed)
+    engine, *_ = initialize(meta_model(config), ds_config, checkpoint=args.model_name_or_path, seed=args.seed)
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
     validation = build_lm_dataset(data_args, tokenizer, "validation")
+    first_step, samples = resume.load(engine, *resume_from) if resume_from else (0, 0)
+    if resume_from and rank == 0:
+        log.info("resumed from %s at step %d (%d samples per replica consumed)", resume_from[1], first_step, samples)
+    batches = replica_batches(dataset, engine.micro_batch_size, engine.grid.data_parallel_id,
+                              engine.dp_world_size, start=samples)
+    per_step = engine.micro_batches * engine.micro_batch_size
     if rank == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "plan.json"), "w", encoding="utf-8") as handle:
             handle.write(engine.plan.to_json())
         log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
     losses = []
-    evaluate(engine, validation, args, step=0, rank=rank)
-    bar = tqdm(range(1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
+    if first_step == 0:
+        evaluate(engine, validation, args, step=0, rank=rank)
+    bar = tqdm(range(first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
-        loss = float(engine.train_batch())
+        loss = float(engine.train_batch(batches))
+        samples += per_step
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
         if rank == 0:
             log.info("step %d loss %.4f", step, loss)
+            _append_jsonl(os.path.join(args.output_dir, "train_log.jsonl"), {"step": step, "loss": loss})
         if step % args.eval_interval == 0 or step == args.max_steps:
             evaluate(engine, validation, args, step=step, rank=rank)
             log.info("memory (stage %d): %s", engine.stage_id,
                      memory_report(engine.device, engine.activation_tracker))
-    if rank == 0:
+        if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
+            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, samples, faults.during_save(step))
+            faults.after_save(step)
+            if rank == 0:
+                log.info("saved checkpoint %s", tag)
+    if rank == 0 and losses:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
     log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
     if args.save_hf:
@@ -138,6 +173,13 @@ def _train(args, ds_config, data_args, rank) -> list[float]:
         if rank == 0:
             log.info("saved Hugging Face model to %s", target)
     return losses
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+    """One line per step, full float precision (the log line rounds): for plots and resume checks."""
+    import json
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 def evaluate(engine, dataset, args: RunArgs, step: int, rank: int) -> float:

@@ -1,0 +1,72 @@
+"""Exact resume: 6 steps straight == 3 steps, a hard crash, resume, 3 more (bit for bit, fp32);
+a crash while checkpoint 6 is being written leaves checkpoint 3 as the one resumed."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tp_trainer.config import ConfigError
+from tp_trainer.resume import resolve_resume
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+
+
+def small_config(tmp_path) -> str:
+    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
+    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def train(config, out, *flags, fault=None):
+    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config", config, "--max_steps", "6",
+           "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TP_TRAINER_FAULT", None)
+    if fault:
+        env["TP_TRAINER_FAULT"] = fault
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def losses(out) -> dict[int, float]:
+    lines = (out / "train_log.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}  # a re-run step overwrites
+
+
+@needs_launcher
+def test_crash_and_resume_is_exact(tmp_path):
+    config = small_config(tmp_path)
+    code, log = train(config, tmp_path / "straight")
+    assert code == 0, log[-3000:]
+    straight = losses(tmp_path / "straight")
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6]
+
+    out = tmp_path / "resumed"
+    code, log = train(config, out, "--save_interval", "3", fault="crash_after_save:3")
+    assert code != 0 and sorted(losses(out)) == [1, 2, 3], log[-3000:]
+    code, log = train(config, out, "--save_interval", "3", "--resume", fault="crash_in_save:6")
+    assert code != 0, log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "step3", "latest must not point at a partial save"
+    assert not (out / "checkpoints" / "step6" / "COMPLETE").exists()
+    code, log = train(config, out, "--save_interval", "3", "--resume")
+    assert code == 0, log[-3000:]
+    assert "resumed from step3 at step 3" in log
+    assert losses(out) == straight  # bit for bit: json keeps every digit of the float
+    assert (out / "checkpoints" / "latest").read_text() == "step6"
+
+
+def test_resume_errors_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="--resume latest: no complete checkpoint"):
+        resolve_resume(str(tmp_path), "latest")
+    (tmp_path / "checkpoints" / "step6").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is incomplete"):
+        resolve_resume(str(tmp_path), "step6")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_resume(str(tmp_path), "step9")
