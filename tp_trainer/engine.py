@@ -13,6 +13,8 @@ averages over replicas, giving the mean over all predicted tokens of the global 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -23,6 +25,10 @@ from .model.slice_cache import SequenceKV
 from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule, forward_only)
+
+
+class PipelineFailure(RuntimeError):
+    """An instruction failed; the message names the rank, stage, instruction and peer."""
 
 
 def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
@@ -44,6 +50,7 @@ class TeraPipeEngine(PipelineEngine):
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
         self.activation_tracker = None  # set to a memory.ActivationTracker to measure activations
+        self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
         self._offsets = plan.offsets
         self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
         self._reset_step_state()
@@ -62,7 +69,23 @@ class TeraPipeEngine(PipelineEngine):
                 handler = self._DISPATCH.get(type(instruction))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
-                handler(self, instruction)
+                start = time.perf_counter()
+                try:
+                    handler(self, instruction)
+                except Exception as err:
+                    raise PipelineFailure(self._failure_message(instruction, err)) from err
+                if self.timeline is not None:
+                    self.timeline.append((str(instruction), start, time.perf_counter()))
+
+    def _failure_message(self, instruction, err: Exception) -> str:
+        """Which rank and stage failed, doing what, and which peer it was talking to."""
+        where = f"rank {self.global_rank} (stage {self.stage_id}) failed at {instruction}"
+        peer = instruction.peer_stage if instruction.is_comm else None
+        if peer is not None:
+            peer_rank = self.grid.stage_to_global(peer)
+            where += (f" while exchanging with stage {peer} (global rank {peer_rank}): that rank died, hung "
+                      f"or its connection broke")
+        return f"{where}: {type(err).__name__}: {err}"
 
     def _reset_step_state(self):
         self._batches = {}     # microbatch -> (input_ids, labels), both (b, seq_len), first/last stage

@@ -16,6 +16,7 @@ from .config import ConfigError, load_ds_config
 from .data import DataArgs, DataConfigError, build_lm_dataset, get_tokenizer
 from . import faults, resume
 from .data.sampling import replica_batches
+from .engine import PipelineFailure
 from .initialize import check_run, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
 from .resume import checkpoint_dir, resolve_resume
@@ -147,8 +148,14 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
         evaluate(engine, validation, args, step=0, rank=rank)
     bar = tqdm(range(first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
-        loss = float(engine.train_batch(batches))
+        faults.before_step(step)
+        try:
+            loss = faults.reported_loss(step, float(engine.train_batch(batches)))
+        except PipelineFailure as err:
+            log.error("step %d: %s", step, err)
+            raise SystemExit(1) from None
         samples += per_step
+        check_finite(loss, step, engine.fp16_enabled())
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
         if rank == 0:
@@ -173,6 +180,21 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
         if rank == 0:
             log.info("saved Hugging Face model to %s", target)
     return losses
+
+
+def check_finite(loss: float, step: int, fp16: bool) -> None:
+    """Stop on a NaN/inf loss, naming the step. With fp16 an overflow is DeepSpeed's loss scaler's
+    business (it skips that step and lowers the scale), so only report it there."""
+    import math
+    if math.isfinite(loss):
+        return
+    if fp16:
+        log.warning("step %d: loss is %s (fp16 overflow: DeepSpeed skips this step and lowers the loss scale)",
+                    step, loss)
+        return
+    log.error("step %d: loss is %s; stopping (lower the learning rate, check the data, or enable "
+              "gradient_clipping)", step, loss)
+    raise SystemExit(3)
 
 
 def _append_jsonl(path: str, record: dict) -> None:
