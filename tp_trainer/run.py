@@ -45,6 +45,7 @@ class RunArgs:
     save_hf: bool = True
     save_interval: int | None = None
     resume: str | None = None
+    timeline: str | None = None
 
     def check(self):
         """Flag values (checked in ``run`` with the other input checks)."""
@@ -150,7 +151,11 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
     for step in bar:
         faults.before_step(step)
         try:
-            loss = faults.reported_loss(step, float(engine.train_batch(batches)))
+            if args.timeline and step == args.max_steps:
+                loss = write_timeline(engine, batches, args.timeline, rank)
+            else:
+                loss = float(engine.train_batch(batches))
+            loss = faults.reported_loss(step, loss)
         except PipelineFailure as err:
             log.error("step %d: %s", step, err)
             raise SystemExit(1) from None
@@ -180,6 +185,24 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
         if rank == 0:
             log.info("saved Hugging Face model to %s", target)
     return losses
+
+
+def write_timeline(engine, batches, path: str, rank: int) -> float:
+    """Train one step with every instruction timed; rank 0 draws measured vs simulated (PNG) and
+    writes the events beside it (JSON). Returns the step's loss."""
+    import json
+
+    from .timeline import compute_boxes, draw, gather, predicted_boxes, record_step
+    loss, events = record_step(engine, batches)
+    everyone = gather(events)
+    if rank == 0:
+        measured = compute_boxes(everyone)
+        predicted = predicted_boxes(measured, engine.schedule_name, engine.micro_batches, engine.plan.num_slices)
+        draw(measured, predicted, path, title=f"{engine.schedule_name}, {engine.plan}")
+        with open(f"{os.path.splitext(path)[0]}.json", "w", encoding="utf-8") as handle:
+            json.dump([list(event) for event in everyone], handle)
+        log.info("timeline of the last step written to %s", path)
+    return loss
 
 
 def check_finite(loss: float, step: int, fp16: bool) -> None:

@@ -1,0 +1,38 @@
+"""--timeline: every rank's instructions of the last step, recorded in schedule order and drawn."""
+
+import json
+import os
+import subprocess
+import sys
+
+from multirank import free_port
+from tp_trainer.schedule import BackwardSlice, ForwardSlice, build_schedule, parse_instruction
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_timeline_follows_the_schedule(tmp_path):
+    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
+    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    png, port, procs = tmp_path / "timeline.png", free_port(), []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "launch/train.py", "--deepspeed_config", str(tmp_path / "ds.json"),
+               "--max_steps", "2", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
+               "--output_dir", str(tmp_path / "run"), "--timeline", str(png)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    assert png.stat().st_size > 10_000
+    events = json.loads((tmp_path / "timeline.json").read_text())
+    for stage in range(2):
+        recorded = [name for rank, name, start, end in sorted(events, key=lambda e: e[2]) if rank == stage]
+        expected = [str(i) for step in build_schedule("gpipe", 2, stage, 2, 4) for i in step]
+        assert recorded == expected  # every instruction, in the schedule's order
+        boxes = [parse_instruction(n) for n in recorded]
+        assert sum(isinstance(b, ForwardSlice) for b in boxes) == 8  # 2 microbatches x 4 slices
+        assert sum(isinstance(b, BackwardSlice) for b in boxes) == 8
