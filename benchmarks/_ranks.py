@@ -1,0 +1,71 @@
+"""Start N ranks of a benchmark script on this machine (gloo, 1 thread each), as the launcher would.
+
+Unlike tests/multirank.py (whose port helper this reuses), rank 0 writes straight to this
+terminal, so its progress bar is live; the other ranks write to log files whose tails are shown
+if a rank fails. Results come back through files the script writes, not through stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, ROOT)
+
+from multirank import free_port
+
+
+def is_rank() -> bool:
+    """True inside a rank started by :func:`launch` (or by any launcher that sets RANK)."""
+    return "RANK" in os.environ
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed's info lines (config dumps, timers) would bury the progress bar."""
+    import logging
+
+    from deepspeed.utils import logger
+    logger.setLevel(logging.WARNING)
+
+
+def launch(script: str, world_size: int, args: list[str], timeout: float = 900) -> None:
+    """Run ``python script args`` as ``world_size`` ranks; raise SystemExit naming failing ranks."""
+    port = free_port()
+    logs = tempfile.mkdtemp(prefix="tp_bench_ranks_")
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+        command = [sys.executable, script, *args]
+        if rank == 0:  # straight to this terminal: a live progress bar
+            procs.append(subprocess.Popen(command, env=env, cwd=ROOT))
+            continue
+        with open(os.path.join(logs, f"rank{rank}.log"), "w") as out:  # the child keeps its own handle
+            procs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{script}: ranks still running after {timeout:.0f} s; killed")
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(5)  # let the others report their own error, then stop them
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        for rank, code in failed:
+            if rank:
+                with open(os.path.join(logs, f"rank{rank}.log")) as handle:
+                    print(f"--- rank {rank} exited {code}; last lines:\n{handle.read()[-3000:]}", file=sys.stderr)
+        raise SystemExit(f"{script} failed on ranks {[r for r, _ in failed]} (logs: {logs})")
