@@ -92,6 +92,20 @@ def test_dp_equals_brute_force_with_batch_splits(seed, K, uniform):
         assert plan.predicted_time == pytest.approx(brute_batch(cost, L, batch, K, uniform), rel=1e-12)
 
 
+@pytest.mark.parametrize("uniform", [True, False])
+def test_branch_and_bound_equals_scanning_every_candidate(uniform):
+    """At g = 8 (too many slicings to enumerate): the search equals evaluating every t_max."""
+    from tp_trainer.planner.dp import combine
+    cost, L, batch, K = random_cost(7), 256, 4, 4
+    bounds = boundaries(L, 8)
+    sizes = [b for b in range(1, batch + 1) if not uniform or batch % b == 0]
+    costs = np.stack([cost_matrix(cost, b, bounds) for b in sizes])
+    cands = np.unique(costs[np.isfinite(costs)])
+    totals, _ = combine(min_sums(costs, cands), sizes, batch, uniform)
+    plan = plan_batch(cost, L, batch, K, granularity=8, uniform_microbatches=uniform)
+    assert plan.predicted_time == pytest.approx((totals + (K - 1) * cands).min(), rel=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tmax_bound_is_never_broken_and_sum_is_least(seed):
     cost = random_cost(20 + seed)
@@ -197,12 +211,12 @@ def test_profile_real_layers_leaves_model_unchanged(tmp_path):
     layers, ctx = stage_layers(model, 2)
     rng = torch.random.get_rng_state()
     for funcs in layers:  # first stage (token ids in) and last stage (loss out)
-        stage = profile_stage(funcs, ctx, 32, 64, batch_sizes=(1, 2), time_budget_s=2.0, repeats=1, progress=False)
+        stage = profile_stage(funcs, ctx, 32, 64, batch_sizes=(1, 2), time_budget_s=1.0, repeats=1, progress=False)
         assert len(stage.samples) >= len(FEATURES) and stage.total(1, 8, 56) > 0
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
     path, out = tmp_path / "cost.json", tmp_path / "run"
-    plan, text = auto_plan(layers[0], 64, 2, 1, granularity=8, time_budget_s=2.0, cost_model_path=str(path),
+    plan, text = auto_plan(layers[0], 64, 2, 1, granularity=8, time_budget_s=1.0, cost_model_path=str(path),
                            save_dir=str(out), stage_id=0, hidden=32, slice_context=ctx)
     assert path.is_file() and (out / "plan.json").is_file() and "uniform:4" in text
     slices, predicted, _ = auto_slices(layers[0], 64, 1, 2, 1, cost_model_path=str(path), stage_id=0,
