@@ -42,12 +42,21 @@ BAD_INPUTS = [
     ({}, 2, {"resume": "latest"}, "--resume latest: no complete checkpoint"),
     ({}, 2, {"config_name": "gpt5"}, "--config_name: unknown preset 'gpt5'"),
     ({}, 2, {"max_steps": 0}, "--max_steps: must be >= 1, got 0"),
+    ({"terapipe.slices": "auto", "terapipe.cost_model": "COST"}, 2, {},
+     "terapipe.cost_model: COST was measured for 3 stages of hidden size 64, this run has 2 stages of hidden size 256"),
+    ({"terapipe.microbatches": "auto"}, 2, {}, "terapipe.microbatches: \"auto\" needs \"slices\": \"auto\""),
     ({}, 2, {"model_name_or_path": "/nonexistent/ckpt"}, "/nonexistent/ckpt"),
 ]
 
 
 @pytest.mark.parametrize("changes,world,extra,message", BAD_INPUTS, ids=[m[:30] for *_, m in BAD_INPUTS])
 def test_bad_input_stops_before_work(tmp_path, monkeypatch, caplog, changes, world, extra, message):
+    if changes.get("terapipe.cost_model") == "COST":  # a real cost model, of another model
+        from tp_trainer.planner.cost_model import PipelineCost, StageCost
+        cost_file = str(tmp_path / "cost.json")
+        PipelineCost([StageCost([0.0] * 4, [0.0] * 4, hidden=64) for _ in range(3)]).save(cost_file)
+        changes = {**changes, "terapipe.cost_model": cost_file}
+        message = message.replace("COST", cost_file)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     out = tmp_path / "run"
@@ -136,3 +145,15 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     resumed = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
     assert resumed[0] == pytest.approx(ppl[-1], rel=1e-4), (resumed, ppl)
     assert resumed[-1] < resumed[0], resumed
+
+
+@needs_launcher
+def test_auto_slices_config(tmp_path):
+    """ds_configs/gpt2_auto_cpu.json: profile, plan, print the plan and its prediction, train."""
+    out = tmp_path / "run"
+    log = launch(tmp_path, "--max_steps", "1", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
+                 "--output_dir", str(out), config=os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"))
+    assert 'slice planner (terapipe.slices "auto")' in log and "predicted iteration" in log
+    plan = json.loads((out / "plan.json").read_text())
+    assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
+    assert "uniform:" in (out / "plan.txt").read_text()

@@ -30,7 +30,21 @@ class TeraPipeConfig:
     """Tokens per training sequence (block size); the model must have at least this many positions."""
 
     slices: object = "uniform:1"
-    """Slice lengths: a list of positive ints summing to seq_len, or "uniform:N"."""
+    """Slice lengths: a list of positive ints summing to seq_len, "uniform:N", or "auto" (profile this
+    machine at start-up and run TeraPipe's dynamic program)."""
+
+    microbatches: object = None
+    """None: DeepSpeed's batch settings decide; "auto" (with slices "auto"): the dynamic program also
+    splits each replica's batch (train_micro_batch_size_per_gpu x gradient_accumulation_steps)."""
+
+    cost_model: str | None = None
+    """With "auto": a cost-model JSON to plan from (no profiling); written after profiling if absent."""
+
+    granularity: int = 8
+    """With "auto": slice lengths are multiples of this many tokens (the DP's step)."""
+
+    profile_seconds: float = 60.0
+    """With "auto": time budget of the start-up profile of each stage."""
 
     schedule: str = "gpipe"
     """Order of the (microbatch, slice) units: "gpipe" (TeraPipe: all forwards, then all backwards
@@ -42,11 +56,25 @@ class TeraPipeConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"terapipe.schedule: unknown schedule {self.schedule!r}; "
                               f"use one of {sorted(SCHEDULES)}")
+        if self.microbatches not in (None, "auto"):
+            raise ConfigError(f"terapipe.microbatches: {self.microbatches!r}; use \"auto\" or leave it out "
+                              f"(DeepSpeed's gradient_accumulation_steps then decides)")
+        if self.microbatches == "auto" and self.slices != "auto":
+            raise ConfigError("terapipe.microbatches: \"auto\" needs \"slices\": \"auto\" (one plan decides both)")
+        if not isinstance(self.granularity, int) or not 1 <= self.granularity <= self.seq_len:
+            raise ConfigError(f"terapipe.granularity: must be an integer in 1..{self.seq_len}, got {self.granularity!r}")
+        if self.slices == "auto":
+            self.slice_lengths = None
+            return
         try:
             self.slice_lengths = parse_slices(self.slices, self.seq_len)
             SlicePlan(self.seq_len, self.slice_lengths)
         except PlanError as err:
             raise ConfigError(str(err)) from None
+
+    @property
+    def auto(self) -> bool:
+        return self.slices == "auto"
 
     @classmethod
     def from_section(cls, section: dict | None) -> "TeraPipeConfig":
@@ -58,6 +86,8 @@ class TeraPipeConfig:
         return cls(**section)
 
     def plan(self, microbatches: int, microbatch_size: int) -> SlicePlan:
+        if self.auto:
+            raise ValueError("terapipe.slices is \"auto\": the plan comes from tp_trainer.planner")
         return SlicePlan(self.seq_len, tuple(self.slice_lengths), microbatches, microbatch_size)
 
 

@@ -52,6 +52,7 @@ def check_run(ds_config: dict, model_config, world_size: int) -> tuple[TeraPipeC
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
+    check_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0))
     return terapipe, stages
 
 
@@ -91,12 +92,51 @@ def initialize(model, config, args=None, training_data=None, optimizer=None, lr_
     materialize_stage(model, stages, checkpoint, seed=seed, device=get_accelerator().device_name(local_rank))
     module = build_pipeline_module(model, stages)
     config_class = DeepSpeedConfig(ds_config, module.mpu())
+    if terapipe.auto:
+        plan, report = plan_slices(terapipe, module, config_class, stages, model.config.hidden_size)
+        ds_config = {**ds_config, "train_micro_batch_size_per_gpu": plan.microbatch_size,
+                     "gradient_accumulation_steps": plan.microbatches}
+        ds_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
+        config_class = DeepSpeedConfig(ds_config, module.mpu())
+    else:
+        plan, report = terapipe.plan(config_class.gradient_accumulation_steps,
+                                     config_class.train_micro_batch_size_per_gpu), None
     deepspeed.set_optimizer_flags(config_class, module)
-    plan = terapipe.plan(config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu)
     engine = TeraPipeEngine(args=args, model=module, optimizer=optimizer,
                             model_parameters=[p for p in module.parameters() if p.requires_grad],
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                             config_class=config_class, plan=plan, schedule=terapipe.schedule,
                             hidden_size=model.config.hidden_size)
+    engine.plan_report = report
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def plan_slices(terapipe: TeraPipeConfig, module, config_class, stages: int, hidden: int):
+    """``"slices": "auto"``: profile every stage (or read terapipe.cost_model), plan on rank 0 with
+    TeraPipe's DP, broadcast. Returns (SlicePlan, report text). Collective."""
+    from .planner.auto import auto_plan
+    micro = config_class.train_micro_batch_size_per_gpu
+    batch = micro * config_class.gradient_accumulation_steps  # sequences per step per replica
+    fixed_micro = None if terapipe.microbatches == "auto" else micro
+    planned, report = auto_plan(module, terapipe.seq_len, batch, stages, microbatch_size=fixed_micro,
+                                granularity=terapipe.granularity, time_budget_s=terapipe.profile_seconds,
+                                cost_model_path=terapipe.cost_model, schedule=terapipe.schedule, hidden=hidden)
+    return planned.to_slice_plan(), report
+
+
+def check_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int) -> None:
+    """A cost-model file given with "auto" must describe this model's stages."""
+    if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
+        return
+    from .planner.cost_model import PipelineCost
+    try:
+        cost = PipelineCost.load(terapipe.cost_model)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} is not a cost model ({err}); "
+                          f"delete it to profile again") from None
+    measured = (len(cost.stages), max(s.hidden for s in cost.stages))
+    if measured != (stages, hidden):
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
+                          f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
+                          f"delete it to profile again, or point to the model's own cost model")

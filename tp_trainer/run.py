@@ -143,6 +143,10 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "plan.json"), "w", encoding="utf-8") as handle:
             handle.write(engine.plan.to_json())
+        if engine.plan_report:
+            with open(os.path.join(args.output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
+                handle.write(engine.plan_report + "\n")
+            log.info("slice planner (terapipe.slices \"auto\"):\n%s", engine.plan_report)
         log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
     losses = []
     if first_step == 0:
