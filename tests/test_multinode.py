@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 
 import pytest
 
