@@ -79,7 +79,12 @@ class CountingSafeOpen:
 
 def load_case(ckpt: str) -> dict:
     """Meta model -> materialize this stage -> build the stage's pipeline module."""
-    from tp_trainer.checkpoint import checkpoint_config, hf_load, materialize_stage, meta_model
+    from tp_trainer.checkpoint import (
+        checkpoint_config,
+        hf_load,
+        materialize_stage,
+        meta_model,
+    )
     from tp_trainer.model.pipeline import build_pipeline_module, hf_named_parameters
     model = meta_model(checkpoint_config(ckpt))
     hf_load.safe_open, CountingSafeOpen.reads = CountingSafeOpen, []
@@ -119,7 +124,13 @@ def train_case(ckpt: str, out_dir: str, kind: str) -> dict:
     from transformers import AutoTokenizer
 
     import tp_trainer.initialize as tpi
-    from tp_trainer.checkpoint import checkpoint_config, materialize_stage, meta_model, save_hf_checkpoint, stage_state
+    from tp_trainer.checkpoint import (
+        checkpoint_config,
+        materialize_stage,
+        meta_model,
+        save_hf_checkpoint,
+        stage_state,
+    )
     original = tpi.build_pipeline_module
 
     def build_materialized(model, stages, **kwargs):  # what initialize.py will do (see report)

@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
+
 from tp_trainer.initialize import initialize  # noqa: E402
 from tp_trainer.model.pipeline import hf_named_parameters  # noqa: E402
 

@@ -5,9 +5,9 @@ without a pipeline adapter."""
 import logging
 
 import pytest
+from test_launch import write_config
 
 from tp_trainer.run import RunArgs, run
-from test_launch import write_config
 
 
 def stops_with_one_error(tmp_path, monkeypatch, caplog, **extra) -> str:

@@ -12,16 +12,21 @@ import shutil
 import subprocess
 import sys
 
+import checkpoint_worker as cw
 import pytest
 import torch
+from multirank import run_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, BertConfig
 
-import checkpoint_worker as cw
-from multirank import run_ranks
 from tp_trainer import export
-from tp_trainer.checkpoint import CheckpointError, checkpoint_config, materialize_stage, meta_model
+from tp_trainer.checkpoint import (
+    CheckpointError,
+    checkpoint_config,
+    materialize_stage,
+    meta_model,
+)
 from tp_trainer.model import gpt2
 from tp_trainer.model.split import split_for_config
 

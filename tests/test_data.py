@@ -13,9 +13,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tp_trainer.data import (EOS_TOKEN, DataArgs, DataConfigError, build_lm_dataset,  # noqa: E402
-                             get_tokenizer, list_stdlib_files, load_or_train, read_source,
-                             stdlib_files, stdlib_root, tokenize_dataset)
+from tp_trainer.data import (  # noqa: E402
+    EOS_TOKEN,
+    DataArgs,
+    DataConfigError,
+    build_lm_dataset,
+    get_tokenizer,
+    list_stdlib_files,
+    load_or_train,
+    read_source,
+    stdlib_files,
+    stdlib_root,
+    tokenize_dataset,
+)
 from tp_trainer.data.corpus import holdout_mask, load_text_dataset  # noqa: E402
 
 UNICODE_SRC = 'def f(x):\n    """héllo wörld — ∑ 😀 日本"""\n\treturn x  +  1\r\n\n# end  \n'

@@ -9,10 +9,9 @@ within 1e-5 after 3 AdamW steps, and the eval loss after training. One launch ea
 
 import os
 
+import exactness_cases as ec
 import pytest
 import torch
-
-import exactness_cases as ec
 from multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")

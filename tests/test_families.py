@@ -16,13 +16,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import families_worker as fw
+import pipeline_harness as ph
 import pytest
 import torch
 from deepspeed.pipe import TiedLayerSpec
-
-import families_worker as fw
-import pipeline_harness as ph
 from multirank import run_ranks
+
 from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.slice_cache import SequenceKV, slice_attention_mask

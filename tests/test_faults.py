@@ -1,6 +1,5 @@
 """A killed rank stops the others quickly with a message naming it; a NaN loss stops with the step."""
 
-import json
 import logging
 import os
 import subprocess
@@ -8,20 +7,13 @@ import sys
 import time
 
 import pytest
-
 from multirank import free_port
+from small_run import small_config
+
 from tp_trainer.run import check_finite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def small_config(tmp_path) -> str:
-    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
-    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
 def start_ranks(tmp_path, fault: str, steps: int = 6):

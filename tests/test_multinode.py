@@ -6,13 +6,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 
 import pytest
+from multirank import free_port
+from small_run import small_config
 
 from tp_trainer.config import ConfigError
-from tp_trainer.hostfile import describe, main as hostfile_main, read_hostfile
+from tp_trainer.hostfile import describe, read_hostfile
+from tp_trainer.hostfile import main as hostfile_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "launch", "hostfile.example")
@@ -101,19 +103,6 @@ def test_multinode_script_checks_hostfile_first(tmp_path):
         assert "deepspeed" not in proc.stderr.replace("DeepSpeed", ""), proc.stderr
 
 
-def small_config(tmp_path) -> str:
-    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
-    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    return str(path)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train_flags(config, out):

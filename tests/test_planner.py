@@ -7,9 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from tp_trainer.planner.cost_model import FEATURES, PipelineCost, StageCost, features, fit
-from tp_trainer.planner.dp import (best_slicing, boundaries, cost_matrix, min_sums, plan_batch, plan_time,
-                                   uniform_slices)
+from tp_trainer.planner.cost_model import (
+    FEATURES,
+    PipelineCost,
+    StageCost,
+    features,
+    fit,
+)
+from tp_trainer.planner.dp import (
+    best_slicing,
+    boundaries,
+    cost_matrix,
+    min_sums,
+    plan_batch,
+    plan_time,
+    uniform_slices,
+)
 from tp_trainer.planner.predict import simulate_plan, with_slices
 
 

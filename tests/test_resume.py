@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+from small_run import small_config
 
 from tp_trainer.config import ConfigError
 from tp_trainer.resume import resolve_resume
@@ -14,14 +15,6 @@ from tp_trainer.resume import resolve_resume
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_launcher = pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
 
-
-def small_config(tmp_path) -> str:
-    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
-    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
 def train(config, out, *flags, fault=None):

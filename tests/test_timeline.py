@@ -6,21 +6,25 @@ import subprocess
 import sys
 
 from multirank import free_port
-from tp_trainer.schedule import BackwardSlice, ForwardSlice, build_schedule, parse_instruction
+from small_run import small_config
+
+from tp_trainer.schedule import (
+    BackwardSlice,
+    ForwardSlice,
+    build_schedule,
+    parse_instruction,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_timeline_follows_the_schedule(tmp_path):
-    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
-    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
-    (tmp_path / "ds.json").write_text(json.dumps(config))
+    config = small_config(tmp_path)
     png, port, procs = tmp_path / "timeline.png", free_port(), []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "launch/train.py", "--deepspeed_config", str(tmp_path / "ds.json"),
+        cmd = [sys.executable, "launch/train.py", "--deepspeed_config", config,
                "--max_steps", "2", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
                "--output_dir", str(tmp_path / "run"), "--timeline", str(png)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

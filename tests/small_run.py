@@ -1,0 +1,17 @@
+"""A small, fast training config shared by the launcher-level tests (resume, faults, multi-node,
+timeline): gpt2-tiny, seq 64 in slices [24, 16, 16, 8], 2 microbatches x 2 sequences per step."""
+
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(tmp_path) -> str:
+    """Write the small DeepSpeed config into ``tmp_path``; returns its path."""
+    config = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
+    config.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    config["terapipe"] = {"seq_len": 64, "slices": [24, 16, 16, 8], "schedule": "gpipe"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return str(path)
