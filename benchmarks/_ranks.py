@@ -69,3 +69,15 @@ def launch(script: str, world_size: int, args: list[str], timeout: float = 900) 
                 with open(os.path.join(logs, f"rank{rank}.log")) as handle:
                     print(f"--- rank {rank} exited {code}; last lines:\n{handle.read()[-3000:]}", file=sys.stderr)
         raise SystemExit(f"{script} failed on ranks {[r for r, _ in failed]} (logs: {logs})")
+
+
+def write_results(out: str, report: dict, text: str) -> None:
+    """Print the table and write ``out``.json (figures) and ``out``.md (the table)."""
+    import json
+    print("\n" + text)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+    with open(out + ".md", "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    print(f"written: {out}.json, {out}.md")

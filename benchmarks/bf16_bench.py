@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed
+from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
 
 PRECISIONS = ("fp32", "bf16")
 SETUP = ("steps", "n_layer", "n_embd", "n_head", "seq_len", "slices", "microbatch", "microbatches", "lr", "warmup",
@@ -152,13 +152,7 @@ def main() -> None:
         with open(result, encoding="utf-8") as handle:
             runs[precision] = json.load(handle)
     report, text = summarize(args, runs, time.perf_counter() - start)
-    print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-    with open(args.out + ".md", "w", encoding="utf-8") as handle:
-        handle.write(text + "\n")
-    print(f"written: {args.out}.json, {args.out}.md")
+    write_results(args.out, report, text)
 
 
 if __name__ == "__main__":

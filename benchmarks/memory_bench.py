@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed
+from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -229,13 +229,7 @@ def main() -> None:
                 memory.append(json.load(handle))
     timing = [memory.pop(-2), memory.pop()]  # ranks 0 and 1 of the paired run
     report, text = summarize(args, memory, timing, time.perf_counter() - start)
-    print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-    with open(args.out + ".md", "w", encoding="utf-8") as handle:
-        handle.write(text + "\n")
-    print(f"written: {args.out}.json, {args.out}.md")
+    write_results(args.out, report, text)
 
 
 if __name__ == "__main__":
