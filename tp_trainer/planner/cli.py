@@ -5,7 +5,7 @@
     python -m tp_trainer.plan --seq_len 2048 --batch 8 --stages 4 --cost_model runs/cost.json
 
 ``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
-shapes, not the weights), or ``tiny`` (4 blocks, width 256, vocab 8192) / ``gpt2`` (GPT-2 small).
+shapes, not the weights), or a preset of tp_trainer/model/presets.py (``tiny`` = ``gpt2-tiny``).
 ``--profile`` measures every stage here, one after the other, in this process.
 """
 
@@ -24,16 +24,19 @@ from .report import make_plan, report
 
 
 def model_config(spec: str):
-    """A GPT2Config from a name (tiny, gpt2), a checkpoint directory or a config.json path."""
+    """A GPT2Config from a preset name (tp_trainer/model/presets.py; "tiny" = gpt2-tiny with the
+    embedded tokenizer's 8192 tokens, GPT-2 presets with GPT-2's 50257), a checkpoint directory or a
+    config.json path."""
     from transformers import GPT2Config
-    if spec == "tiny":
-        return GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=1024)
-    if spec == "gpt2":
-        return GPT2Config()
+
+    from ..model.presets import PRESETS, preset_config
+    name = "gpt2-tiny" if spec == "tiny" else spec
+    if name in PRESETS:
+        return preset_config(name, vocab_size=8192 if name == "gpt2-tiny" else 50257)
     path = spec if os.path.isfile(spec) else os.path.join(spec, "config.json")
     if not os.path.isfile(path):
-        raise SystemExit(f"--model: {spec!r} is neither 'tiny', 'gpt2', a config.json nor a checkpoint "
-                         f"directory holding config.json")
+        raise SystemExit(f"--model: {spec!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a "
+                         f"checkpoint directory holding config.json")
     return GPT2Config.from_json_file(path)
 
 
