@@ -31,6 +31,8 @@ def write_config(tmp_path, **changes):
 
 BAD_INPUTS = [
     ({"terapipe.slices": [100, 100]}, 2, {}, "terapipe.slices: slices [100, 100] sum to 200"),
+    ({"terapipe.slices": [128, 0, 128]}, 2, {}, "terapipe.slices: every slice must be a positive integer, got [128, 0, 128]"),
+    ({"terapipe.slices": [300, -44]}, 2, {}, "terapipe.slices: every slice must be a positive integer, got [300, -44]"),
     ({"terapipe.seq_len": 2048, "terapipe.slices": "uniform:4"}, 2, {},
      "terapipe.seq_len: 2048 exceeds the model's 1024 positions"),
     ({"pipeline.stages": 8}, 8, {}, "pipeline.stages: 8 stages but the model has only 4 decoder layers"),
@@ -88,6 +90,7 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger="tp_trainer"), pytest.raises(SystemExit):
         run(RunArgs(deepspeed_config=str(bad), output_dir=str(tmp_path / "run")))
     assert "--deepspeed_config: " in caplog.text and "is not valid JSON" in caplog.text
+    assert not (tmp_path / "run").exists()
 
 
 def launch(tmp_path, *flags, config=TINY):
