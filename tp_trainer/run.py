@@ -121,14 +121,40 @@ def run(args: RunArgs) -> list[float]:
     return _train(args, ds_config, data_args, rank, resume_from)
 
 
+@dataclass
+class Job:
+    """What a started run holds: the engine, its data and where training continues from."""
+
+    engine: object
+    config: object
+    tokenizer: object
+    validation: object
+    batches: object
+    first_step: int
+    samples: int
+
+
 def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
+    job = _start(args, ds_config, data_args, rank, resume_from)
+    if rank == 0:
+        _write_plan(job.engine, args.output_dir)
+    if job.first_step == 0:
+        evaluate(job.engine, job.validation, args, step=0, rank=rank)
+    losses = _loop(job, args, rank)
+    _finish(job, args, rank, losses)
+    return losses
+
+
+def _start(args, ds_config, data_args, rank, resume_from) -> Job:
+    """Process group, data (rank 0 first), model split and materialized per stage, resume."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    from .checkpoint import meta_model
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     tokenizer, dataset = _data_rank0_first(args, data_args, rank)
     if rank == 0:
         log.info("data: %s", dataset.summary())
-    from .checkpoint import meta_model
     config = model_config(args, vocab_size=len(tokenizer))
     engine, *_ = initialize(meta_model(config), ds_config, checkpoint=args.model_name_or_path, seed=args.seed)
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
@@ -138,32 +164,28 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
         log.info("resumed from %s at step %d (%d samples per replica consumed)", resume_from[1], first_step, samples)
     batches = replica_batches(dataset, engine.micro_batch_size, engine.grid.data_parallel_id,
                               engine.dp_world_size, start=samples)
+    return Job(engine, config, tokenizer, validation, batches, first_step, samples)
+
+
+def _write_plan(engine, output_dir: str) -> None:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "plan.json"), "w", encoding="utf-8") as handle:
+        handle.write(engine.plan.to_json())
+    if engine.plan_report:
+        with open(os.path.join(output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
+            handle.write(engine.plan_report + "\n")
+        log.info("slice planner (terapipe.slices \"auto\"):\n%s", engine.plan_report)
+    log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
+
+
+def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
+    """Train from ``job.first_step`` to ``args.max_steps``: log, evaluate, checkpoint."""
+    engine, losses = job.engine, []
     per_step = engine.micro_batches * engine.micro_batch_size
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "plan.json"), "w", encoding="utf-8") as handle:
-            handle.write(engine.plan.to_json())
-        if engine.plan_report:
-            with open(os.path.join(args.output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
-                handle.write(engine.plan_report + "\n")
-            log.info("slice planner (terapipe.slices \"auto\"):\n%s", engine.plan_report)
-        log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
-    losses = []
-    if first_step == 0:
-        evaluate(engine, validation, args, step=0, rank=rank)
-    bar = tqdm(range(first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
+    bar = tqdm(range(job.first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
-        faults.before_step(step)
-        try:
-            if args.timeline and step == args.max_steps:
-                loss = write_timeline(engine, batches, args.timeline, rank)
-            else:
-                loss = float(engine.train_batch(batches))
-            loss = faults.reported_loss(step, loss)
-        except PipelineFailure as err:
-            log.error("step %d: %s", step, err)
-            raise SystemExit(1) from None
-        samples += per_step
+        loss = _step(job, args, step)
+        job.samples += per_step
         check_finite(loss, step, engine.fp16_enabled())
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
@@ -171,24 +193,41 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
             log.info("step %d loss %.4f", step, loss)
             _append_jsonl(os.path.join(args.output_dir, "train_log.jsonl"), {"step": step, "loss": loss})
         if step % args.eval_interval == 0 or step == args.max_steps:
-            evaluate(engine, validation, args, step=step, rank=rank)
-            log.info("memory (stage %d): %s", engine.stage_id,
-                     memory_report(engine.device, engine.activation_tracker))
+            evaluate(engine, job.validation, args, step=step, rank=rank)
+            log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
         if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
-            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, samples, faults.during_save(step))
+            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, faults.during_save(step))
             faults.after_save(step)
             if rank == 0:
                 log.info("saved checkpoint %s", tag)
+    return losses
+
+
+def _step(job: Job, args: RunArgs, step: int) -> float:
+    """One training step (timed instruction by instruction when it is the --timeline step)."""
+    faults.before_step(step)
+    try:
+        if args.timeline and step == args.max_steps:
+            loss = write_timeline(job.engine, job.batches, args.timeline, int(os.environ.get("RANK", "0")))
+        else:
+            loss = float(job.engine.train_batch(job.batches))
+    except PipelineFailure as err:
+        log.error("step %d: %s", step, err)
+        raise SystemExit(1) from None
+    return faults.reported_loss(step, loss)
+
+
+def _finish(job: Job, args: RunArgs, rank: int, losses: list[float]) -> None:
+    engine = job.engine
     if rank == 0 and losses:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
     log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
     if args.save_hf:
         from .checkpoint import save_hf_checkpoint
         target = os.path.join(args.output_dir, "hf_model")
-        save_hf_checkpoint(engine, target, config, tokenizer=tokenizer)
+        save_hf_checkpoint(engine, target, job.config, tokenizer=job.tokenizer)
         if rank == 0:
             log.info("saved Hugging Face model to %s", target)
-    return losses
 
 
 def write_timeline(engine, batches, path: str, rank: int) -> float:
