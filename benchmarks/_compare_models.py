@@ -1,0 +1,160 @@
+"""The four variants of ``compare.py``, built from one config, one seed and one data stream.
+
+(a) ``stock_engine``: DeepSpeed's own ``PipelineModule`` + ``deepspeed.initialize`` (its stock
+    ``PipelineEngine`` and 1F1B ``TrainSchedule``), each stage running the whole sequence at once
+    (HF ``GPT2Block`` with no cache and no mask: causal SDPA), the stage split of
+    ``tp_trainer.model.split``, token embedding and LM head tied through ``TiedLayerSpec``.
+(b), (c) ``terapipe_engine``: ``tp_trainer.initialize`` with explicit / ``"auto"`` slices.
+(d) ``single_model``: the whole HF ``GPT2LMHeadModel`` in this process, with a torch AdamW,
+    accumulating gradients over the batch's sequences one by one (microbatch size 1, as (a)-(c)).
+Every variant gets its weights from ``materialize_stage``'s seeded init (per HF submodule name, so
+they do not depend on the stage count) and sees ``batches(step)``; the optimizer is AdamW with the
+same settings, no clipping, no scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.0
+
+
+def model_config(args):
+    from transformers import GPT2Config
+    return GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
+                      n_positions=max(1024, args.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def batches(args, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``args.batch`` microbatches of 1 sequence (input ids, labels), the same for every variant."""
+    gen = torch.Generator().manual_seed(args.seed * 7919 + step)
+    blocks = torch.randint(0, args.vocab_size, (args.batch, 1, args.seq_len + 1), generator=gen)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in blocks]
+
+
+def ds_config(args, terapipe: dict | None = None) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.batch,
+              "steps_per_print": 10 ** 6, "wall_clock_breakdown": False,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                        "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+              "pipeline": {"stages": args.stages}}
+    if terapipe is not None:
+        config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe", **terapipe}
+    return config
+
+
+def terapipe_engine(args, slices, cost_model: str | None = None):
+    """(b) slices = "uniform:N" or a list; (c) slices = "auto" (profile or ``cost_model``, then the DP)."""
+    from tp_trainer.checkpoint import meta_model
+    from tp_trainer.initialize import initialize
+    extra = {"slices": slices}
+    if slices == "auto":
+        extra.update(cost_model=cost_model, profile_seconds=args.budget, granularity=8)
+    return initialize(meta_model(model_config(args)), ds_config(args, extra), seed=args.seed)[0]
+
+
+# ----------------------------------------------------------------------------- (a) stock DeepSpeed
+class Embedding(nn.Module):
+    def __init__(self, wte):
+        super().__init__()
+        self.inner = wte
+
+    def forward(self, input_ids):
+        return self.inner(input_ids)
+
+
+def tied_head(embedding: Embedding, hidden):
+    return nn.functional.linear(hidden, embedding.inner.weight)
+
+
+class Positions(nn.Module):
+    def __init__(self, wpe):
+        super().__init__()
+        self.inner = wpe
+
+    def forward(self, hidden):
+        return hidden + self.inner(torch.arange(hidden.shape[1], device=hidden.device))
+
+
+class WholeSequenceBlock(nn.Module):
+    """An HF GPT2Block on the whole sequence: no cache, no mask (SDPA's causal kernel)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block
+
+    def forward(self, hidden):
+        out = self.inner(hidden)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Plain(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden):
+        return self.inner(hidden)
+
+
+def mean_cross_entropy(logits, labels):
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def stock_engine(args):
+    """(a): the same layers and stage split, DeepSpeed's PipelineEngine and TrainSchedule."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    from tp_trainer.checkpoint import materialize_stage, meta_model
+    from tp_trainer.model import gpt2
+    from tp_trainer.model.split import split_for_config
+
+    config = model_config(args)
+    model = meta_model(config)
+    materialize_stage(model, args.stages, None, seed=args.seed)  # this rank's stage only
+    body = model.transformer
+    specs = [TiedLayerSpec("embed", Embedding, body.wte, tied_weight_attr=["inner.weight"]),
+             LayerSpec(Positions, body.wpe),
+             *(LayerSpec(WholeSequenceBlock, block) for block in body.h),
+             LayerSpec(Plain, body.ln_f),
+             TiedLayerSpec("embed", Embedding, body.wte, forward_fn=tied_head, tied_weight_attr=["inner.weight"])]
+    parts = split_for_config(config, args.stages, gpt2.PREFIX, gpt2.SUFFIX).parts
+
+    class StockPipe(PipelineModule):  # DeepSpeed's module; only the stage boundaries are given
+        def _partition_layers(self, method="given"):
+            stage_id = self._topo.get_coord(self.global_rank).pipe
+            self.parts = list(parts)
+            self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    module = StockPipe(specs, num_stages=args.stages, loss_fn=mean_cross_entropy, partition_method="given")
+    engine = deepspeed.initialize(model=module, config=ds_config(args),
+                                  model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
+    return engine
+
+
+# ----------------------------------------------------------------------------- (d) one process
+def single_model(args):
+    """(d): the whole HF model, same seeded init, tied head, torch AdamW (same settings)."""
+    from tp_trainer.checkpoint import materialize_stage, meta_model
+    model = meta_model(model_config(args))
+    materialize_stage(model, 1, None, seed=args.seed, stage=0)
+    model.lm_head.weight = model.transformer.wte.weight  # tied, as in the pipelines
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return model, optimizer
+
+
+def single_step(model, optimizer, data) -> float:
+    """Forward + backward of each sequence (microbatch size 1, as in the pipelines: gradient
+    accumulation, the fastest way here) + AdamW step; returns the mean loss over the batch."""
+    total = 0.0
+    for input_ids, labels in data:
+        loss = mean_cross_entropy(model(input_ids).logits, labels) / len(data)
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
