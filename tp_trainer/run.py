@@ -179,7 +179,8 @@ def _write_plan(engine, output_dir: str) -> None:
 
 
 def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
-    """Train from ``job.first_step`` to ``args.max_steps``: log, evaluate, checkpoint."""
+    """Train from ``job.first_step`` to ``args.max_steps``: log, evaluate and report memory every
+    ``eval_interval`` steps and at the last one, checkpoint."""
     engine, losses = job.engine, []
     per_step = engine.micro_batches * engine.micro_batch_size
     bar = tqdm(range(job.first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
@@ -221,7 +222,6 @@ def _finish(job: Job, args: RunArgs, rank: int, losses: list[float]) -> None:
     engine = job.engine
     if rank == 0 and losses:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
-    log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
     if args.save_hf:
         from .checkpoint import save_hf_checkpoint
         target = os.path.join(args.output_dir, "hf_model")
