@@ -112,8 +112,12 @@ def write_result(args, engines, names, gathered, losses, everyone, load) -> None
     slices = {name: list(engines[name].plan.slices) for name in names if name not in (A, D)}
     predicted_s = {name: predict_time(with_slices(args.seq_len, args.stages, [1] * args.batch, s), cost, args.stages)
                    for name, s in slices.items()}
+    span = max(end for stage_boxes in boxes.values() for *_, end in stage_boxes)
+    busy = {stage: {kind: sum(end - start for ins, start, end in stage_boxes if type(ins).__name__ == kind)
+                    for kind in ("ForwardSlice", "BackwardSlice")} for stage, stage_boxes in sorted(boxes.items())}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
-              "plan_report": engines[C].plan_report, "load_1min": load}
+              "plan_report": engines[C].plan_report, "load_1min": load,
+              "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()}}}
     with open(args.result, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
 
@@ -147,6 +151,7 @@ def summarize(args, res: dict, wall_s: float, load_before: float) -> tuple[dict,
     first = {n: res["losses"][n][0] for n in names}
     loss_dev = max(abs(first[n] - first[D]) for n in names)
     paired_ca = statistics.median(a / c for a, c in zip(steps[A], steps[C]))
+    paired_eff = statistics.median(d / k / c for d, c in zip(steps[D], steps[C]))  # per round: robust to drift
     best_b = min((n for n in names if n.startswith("(b)")), key=med.get, default=None)
     rows = []
     for n in names:
@@ -163,8 +168,9 @@ def summarize(args, res: dict, wall_s: float, load_before: float) -> tuple[dict,
     report = {"setup": {k_: getattr(args, k_) for k_ in ("stages", "batch", "seq_len", "n_layer", "n_embd", "n_head",
                                                         "vocab_size", "uniform", "steps", "warmup", "budget", "seed")},
               "rows": rows, "ideal_s": ideal, "paired_ratio_a_over_c_median": paired_ca,
+              "paired_efficiency_c_median": paired_eff,
               "first_step_loss_max_abs_diff": loss_dev, "goals": goals,
-              "stage_probe_s": probe, "plan_report": res["plan_report"],
+              "stage_probe_s": probe, "timeline": res["timeline"], "plan_report": res["plan_report"],
               "load_1min_before": load_before, "load_1min_during": load, "wall_s": wall_s}
     yes = {True: "met", False: "NOT met"}
     lines = [(f"GPT-2 {args.n_layer} x {args.n_embd} ({args.n_head} heads, vocab {args.vocab_size}, dropout 0), "
@@ -187,13 +193,18 @@ def summarize(args, res: dict, wall_s: float, load_before: float) -> tuple[dict,
     lines += ["", (f"ideal {k}-stage step = (d) / {k} = {ideal:.3f} s; efficiency = ideal / measured median; "
                    "ratio to (a) = (a)'s median / this median (throughput)"),
               f"DP slices: {res['slices'][C]}",
-              f"(c) vs (a), median of per-step paired ratios: {paired_ca:.2f}",
+              (f"per-round pairs (same step, taken in turn), medians: (a)/(c) {paired_ca:.2f}, "
+               f"efficiency of (c) {paired_eff:.2f}"),
               f"first-step losses: max |difference| from (d) {loss_dev:.2e} (same weights, same data)",
               (f"goals: (c)/(a) throughput >= 1.7: {yes[goals['c_over_a_throughput_ge_1.7']]} ({med[A] / med[C]:.2f}); "
                f"efficiency of (c) >= 0.90: {yes[goals['c_efficiency_ge_0.90']]} ({ideal / med[C]:.2f}); "
                f"(c) not slower than any (b): {yes[goals['c_not_slower_than_any_b']]} ({versus_b})"),
               (f"stage probe (fwd+bwd of each stage's layers on the whole sequence, median of 5): alone: {alone}; "
                f"all stages at once: {together}; imbalance max/mean {imbalance:.3f}"),
+              "timeline step (median of 3) " + f"{res['timeline']['step_s']:.3f} s: " + "; ".join(
+                  f"stage {st} forward {b['ForwardSlice']:.3f} s + backward {b['BackwardSlice']:.3f} s, idle or "
+                  f"other {res['timeline']['step_s'] - b['ForwardSlice'] - b['BackwardSlice']:.3f} s"
+                  for st, b in res["timeline"]["busy_s"].items()),
               (f"load average (1 min) before: {load_before:.2f}; during the timed steps: min {min(load):.2f}, "
                f"median {statistics.median(load):.2f}, max {max(load):.2f} on {os.cpu_count()} cores "
                f"(this benchmark itself keeps ~{k} busy)"),
