@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pipeline_harness as harness
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -12,14 +13,6 @@ MICRO_BATCH = 2
 VOCAB = 64
 STEPS = 3
 EVAL_STEP = 99  # data seed of the batch evaluated after training
-LR = 1e-3
-# Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (e.g. the key bias:
-# softmax ignores a constant added to every key) is float noise of ~1e-9 in both runs, and with a
-# tiny eps its update is +-lr whatever the noise (measured: eps 1e-8 -> params differ by 0.2 lr).
-# The update of such an element is ~lr * noise / eps; eps = 1e-5 keeps it 10x under the 1e-5 bound
-# (measured 1.1e-5 relative with eps 1e-6 on the zero-initialised c_attn bias).
-ADAM_EPS = 1e-5
-CLIP = 1.0  # DeepSpeed's default gradient_clipping; the global norm spans every stage
 SLICES = {"one": [16], "uniform4": "uniform:4", "uneven": [7, 5, 3, 1]}
 
 
@@ -71,14 +64,8 @@ def batches(case: dict, step: int, replica: int | None = None) -> list[tuple[tor
 
 
 def ds_config(case: dict) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": case["microbatches"],
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": ADAM_EPS, "weight_decay": 0.01, "torch_adam": True}},
-        "gradient_clipping": CLIP,
-        "pipeline": {"stages": case["stages"], "activation_checkpoint_interval": int(case["ckpt"]),
-                     "use_reentrant": False},
-        "steps_per_print": 1000,
-        "zero_optimization": {"stage": case["zero"]},
-        "terapipe": {"seq_len": SEQ_LEN, "slices": case["slices"], "schedule": case["schedule"]},
-    }
+    """The harness's config (AdamW, clipping, terapipe section) plus activation checkpointing."""
+    config = harness.ds_config(case["stages"], case["microbatches"], MICRO_BATCH, SEQ_LEN, case["slices"],
+                               case["schedule"], case["zero"])
+    config["pipeline"].update(activation_checkpoint_interval=int(case["ckpt"]), use_reentrant=False)
+    return config

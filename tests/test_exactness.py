@@ -10,9 +10,11 @@ within 1e-5 after 3 AdamW steps, and the eval loss after training. One launch ea
 import os
 
 import exactness_cases as ec
+import pipeline_harness as harness
 import pytest
 import torch
 from multirank import run_ranks
+from pipeline_harness import relative
 
 WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
 WORLDS = (1, 2, 3, 4)
@@ -44,41 +46,17 @@ def pipeline_results(tmp_path_factory):
     return merged
 
 
-def reference(case):
-    """Losses per step, step-0 gradients and final parameters of the plain HF model."""
-    model = ec.tiny_model(case["tied"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ec.LR, eps=ec.ADAM_EPS, weight_decay=0.01)
-    losses, grads = [], None
-    for step in range(ec.STEPS):
-        loss = hf_loss(model, case, step)
-        optimizer.zero_grad()
-        loss.backward()
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), ec.CLIP)
-        optimizer.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        eval_loss = hf_loss(model, case, ec.EVAL_STEP).item()
-    return losses, grads, dict(model.named_parameters()), eval_loss
-
-
-def hf_loss(model, case, step):
-    """Mean next-token loss of the plain HF model over all microbatches of a step."""
-    micro = ec.batches(case, step)
-    input_ids = torch.cat([ids for ids, _ in micro])
-    labels = torch.cat([lab for _, lab in micro])
-    return torch.nn.functional.cross_entropy(model(input_ids).logits.flatten(0, 1), labels.flatten())
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+def reference(case) -> dict:
+    """The plain HF model trained on the whole global batch (harness.reference: AdamW, clipping)."""
+    return harness.reference(ec.tiny_model(case["tied"]), lambda step: ec.batches(case, step), ec.STEPS,
+                             ec.batches(case, ec.EVAL_STEP))
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c["name"] for c in ALL_CASES])
 def test_matches_hf(pipeline_results, case):
     got = pipeline_results[case["name"]]
-    ref_losses, ref_grads, ref_params, ref_eval = reference(case)
+    ref = reference(case)
+    ref_losses, ref_grads, ref_params, ref_eval = ref["losses"], ref["grads"], ref["params"], ref["eval"]
     for step, (mine, ref) in enumerate(zip(got["losses"], ref_losses)):
         assert abs(mine - ref) <= 1e-6 * abs(ref), f"step {step}: loss {mine} != HF {ref}"
     assert set(got["grads"]) == set(ref_grads), "pipeline stages must cover every HF parameter once"
