@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.0
+# torch's fused AdamW (one kernel over all of a group's tensors) in every variant: on this CPU it
+# steps 5.5 M parameters in ~5 ms against ~25 ms for the per-tensor loop
+FUSED = True
 
 
 def model_config(args):
@@ -38,7 +41,8 @@ def ds_config(args, terapipe: dict | None = None) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.batch,
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                        "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+                                                        "weight_decay": WEIGHT_DECAY, "torch_adam": True,
+                                                        "fused": FUSED}},
               "pipeline": {"stages": args.stages}}
     if terapipe is not None:
         config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe", **terapipe}
@@ -143,7 +147,8 @@ def single_model(args):
     materialize_stage(model, 1, None, seed=args.seed, stage=0)
     model.lm_head.weight = model.transformer.wte.weight  # tied, as in the pipelines
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                  fused=FUSED)
     return model, optimizer
 
 

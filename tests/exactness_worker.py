@@ -21,16 +21,19 @@ def run_case(case):
     engine, *_ = initialize(ec.tiny_model(case["tied"]), ec.ds_config(case))
     named = hf_named_parameters(engine.module)
     grads = {}
-    reduce_fn = engine._exec_reduce_grads
 
-    def capture_then_reduce(*args, **kwargs):
+    def capture_before(method):
         """Step 0's gradients after the tied-weight reduction, before the data-parallel one
-        (ZeRO-1 moves them into its partitions there): the test averages the replicas."""
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
-        reduce_fn(*args, **kwargs)
+        (ZeRO-1 moves them into its partitions there): the test averages the replicas. With one
+        replica the engine skips the data-parallel reduction, so the optimizer step is the hook."""
+        def run(*args, **kwargs):
+            if not grads:
+                grads.update({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+            return method(*args, **kwargs)
+        return run
 
-    engine._exec_reduce_grads = capture_then_reduce
+    engine._exec_reduce_grads = capture_before(engine._exec_reduce_grads)
+    engine._exec_optimizer_step = capture_before(engine._exec_optimizer_step)
     replica = engine.grid.data_parallel_id
     losses = [float(engine.train_batch(iter(ec.batches(case, step, replica)))) for step in range(ec.STEPS)]
     params = {n: p.detach().clone() for n, p in named.items()}

@@ -18,13 +18,28 @@ import time
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe import p2p
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from .model.slice_cache import SequenceKV
+from .p2p import Transfers
 from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule, forward_only)
+
+
+def _next_receives(instructions) -> dict:
+    """Index of each receive -> index of the next receive of the same kind (RecvActivation or
+    RecvGrad), and -1 -> the indices of the first receive of each kind."""
+    following, last = {-1: []}, {}
+    for index, instruction in enumerate(instructions):
+        kind = type(instruction)
+        if kind in (RecvActivation, RecvGrad):
+            if kind in last:
+                following[last[kind]] = index
+            else:
+                following[-1].append(index)
+            last[kind] = index
+    return following
 
 
 class PipelineFailure(RuntimeError):
@@ -64,18 +79,23 @@ class TeraPipeEngine(PipelineEngine):
         self._reset_step_state()
         if self.module.training:
             self.tput_timer.start()
-        for step in steps:
-            for instruction in step:
-                handler = self._DISPATCH.get(type(instruction))
-                if handler is None:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
-                start = time.perf_counter()
-                try:
-                    handler(self, instruction)
-                except Exception as err:
-                    raise PipelineFailure(self._failure_message(instruction, err)) from err
-                if self.timeline is not None:
-                    self.timeline.append((str(instruction), start, time.perf_counter()))
+        self._instructions = [instruction for step in steps for instruction in step]
+        self._next_recv = _next_receives(self._instructions)
+        self._transfers = Transfers()
+        for index in self._next_recv.get(-1, ()):  # the first receive of each kind, posted now
+            self._post_recv(self._instructions[index])
+        for self._position, instruction in enumerate(self._instructions):
+            handler = self._DISPATCH.get(type(instruction))
+            if handler is None:
+                raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
+            start = time.perf_counter()
+            try:
+                handler(self, instruction)
+            except Exception as err:
+                raise PipelineFailure(self._failure_message(instruction, err)) from err
+            if self.timeline is not None:
+                self.timeline.append((str(instruction), start, time.perf_counter()))
+        self._transfers.finish(lambda send, err: PipelineFailure(self._failure_message(send, err)))
 
     def _failure_message(self, instruction, err: Exception) -> str:
         """Which rank and stage failed, doing what, and which peer it was talking to."""
@@ -174,15 +194,33 @@ class TeraPipeEngine(PipelineEngine):
         else:
             self._outputs[(m, j)] = outputs
 
+    # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer, and
+    # each receive was posted when the previous one of its kind completed.
+    def _peer_rank(self, cmd) -> int:
+        return self.grid.stage_to_global(stage_id=cmd.peer_stage)
+
+    def _post_recv(self, cmd) -> None:
+        buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
+        self._transfers.post_recv(cmd, buffer, self._peer_rank(cmd))
+
+    def _receive(self, cmd) -> torch.Tensor:
+        """Wait for the message of ``cmd`` and post the next receive of the same kind."""
+        if not self._transfers.is_posted(cmd):
+            self._post_recv(cmd)
+        buffer = self._transfers.recv(cmd)
+        following = self._next_recv.get(self._position)
+        if following is not None:
+            self._post_recv(self._instructions[following])
+        return buffer
+
     def _exec_send_activation(self, cmd: SendActivation):
         key = (cmd.microbatch, cmd.slice)
         outputs = self._outputs[key] if torch.is_grad_enabled() else self._outputs.pop(key)
-        # detach: the send must not enter the autograd graph (gloo's p2p may be a broadcast_)
-        p2p.send(outputs.detach().contiguous(), self.next_stage)
+        # detach: the send must not enter the autograd graph; the engine keeps ``outputs`` for backward
+        self._transfers.send(outputs.detach().contiguous(), self._peer_rank(cmd), cmd)
 
     def _exec_recv_activation(self, cmd: RecvActivation):
-        buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
-        p2p.recv(buffer, self.prev_stage)
+        buffer = self._receive(cmd)
         self._inputs[(cmd.microbatch, cmd.slice)] = buffer.requires_grad_(torch.is_grad_enabled())
 
     def _exec_backward_slice(self, cmd: BackwardSlice):
@@ -213,17 +251,17 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_send_grad(self, cmd: SendGrad):
         received = self._inputs.pop((cmd.microbatch, cmd.slice))
-        p2p.send(received.grad.contiguous(), self.prev_stage)
+        self._transfers.send(received.grad.contiguous(), self._peer_rank(cmd), cmd)
 
     def _exec_recv_grad(self, cmd: RecvGrad):
-        buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
-        p2p.recv(buffer, self.next_stage)
-        self._out_grads[(cmd.microbatch, cmd.slice)] = buffer
+        self._out_grads[(cmd.microbatch, cmd.slice)] = self._receive(cmd)
 
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         self._exec_reduce_tied_grads()
 
     def _exec_reduce(self, cmd: ReduceGrads):
+        if self.dp_world_size == 1 and self.zero_optimization_stage() == 0 and not self.using_bf16_optimizer:
+            return  # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms)
         self._exec_reduce_grads()
 
     def _exec_step(self, cmd: OptimizerStep):

@@ -1,0 +1,67 @@
+"""Non-blocking point-to-point transfers between pipeline stages.
+
+DeepSpeed's ``pipe.p2p`` sends and receives synchronously: a send returns only once the peer has
+posted the matching receive, and a receive starts moving data only when it is called. With token
+slices that costs twice per slice: the sender stalls until the receiver finishes what it is
+computing, and the receiver pays the transfer after it has become idle (measured here: 2-5 ms per
+gradient slice on the first stage's critical path, and up to 20 ms of stalled sends per slice).
+
+``Transfers`` makes both sides asynchronous:
+- a send is an ``isend``; the sender moves on at once and keeps the tensor alive until the send
+  completes (checked as later sends are made, and all of them at the end of the schedule);
+- a receive is an ``irecv`` posted ahead of time (the engine posts the next receive of each kind as
+  soon as the previous one is done), so the data lands while this rank computes, and the
+  ``Recv*`` instruction only waits for what has (usually) already arrived.
+Messages between two ranks are matched in the order they were posted, which is the schedule's
+order on both sides, so no tags or metadata are needed. Works with gloo (CPU) and NCCL.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from deepspeed import comm as dist
+
+
+class Transfers:
+    """The in-flight sends and posted receives of one rank, for one schedule."""
+
+    def __init__(self):
+        self._sends: list[tuple[object, torch.Tensor, object]] = []  # (work, tensor kept alive, label)
+        self._recvs: dict[object, tuple[object, torch.Tensor]] = {}  # label -> (work, buffer)
+
+    def send(self, tensor: torch.Tensor, dst_rank: int, label) -> None:
+        """Start sending ``tensor`` (contiguous) to ``dst_rank``; returns without waiting."""
+        self._sends.append((dist.isend(tensor, dst_rank), tensor, label))
+        self._sends = [entry for entry in self._sends if not entry[0].is_completed()]
+
+    def post_recv(self, label, buffer: torch.Tensor, src_rank: int) -> None:
+        """Start receiving the message ``label`` from ``src_rank`` into ``buffer``."""
+        if label in self._recvs:
+            raise RuntimeError(f"receive {label} posted twice")
+        self._recvs[label] = (dist.irecv(buffer, src_rank), buffer)
+
+    def is_posted(self, label) -> bool:
+        return label in self._recvs
+
+    def recv(self, label) -> torch.Tensor:
+        """Wait for the posted receive ``label`` and return its buffer."""
+        work, buffer = self._recvs.pop(label)
+        work.wait()
+        return buffer
+
+    def finish(self, on_error: Callable[[object, Exception], Exception]) -> None:
+        """Wait for every send; a failed one is reported through ``on_error(label, err)``.
+
+        Every receive of a schedule is consumed by its instruction, so none may remain posted.
+        """
+        sends, self._sends = self._sends, []
+        for work, _, label in sends:
+            try:
+                work.wait()
+            except Exception as err:  # the peer died or hung: say which send
+                raise on_error(label, err) from err
+        if self._recvs:
+            leftover, self._recvs = list(self._recvs), {}
+            raise RuntimeError(f"receives posted but never used: {leftover}")
