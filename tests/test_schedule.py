@@ -477,3 +477,24 @@ def test_forward_only_passes_simulator(stages, micro, slices):
     assert result.makespan == micro * slices + stages - 1
     with pytest.raises(ScheduleError, match="missing work"):
         simulate(schedules)  # as a training schedule the backwards are missing
+
+
+def test_eager_sends_let_the_sender_run_ahead():
+    """Stage 1 is slow: with rendezvous sends stage 0 waits for it before each next forward; with
+    eager sends (the engine's) it forwards back to back, and the receiver still waits for data."""
+    schedules = [build_schedule("gpipe", 2, s, 1, 3) for s in range(2)]
+
+    def duration(ins):
+        return {ForwardSlice: 1.0 if ins.stage == 0 else 3.0, BackwardSlice: 2.0}.get(type(ins), 0.0)
+
+    def forward_starts(result, stage):
+        return [start for s, ins, start, _ in result.timeline if s == stage and isinstance(ins, ForwardSlice)]
+
+    blocking, eager = simulate(schedules, duration), simulate(schedules, duration, eager_sends=True)
+    assert forward_starts(eager, 0) == [0.0, 1.0, 2.0]
+    assert forward_starts(blocking, 0) == [0.0, 1.0, 4.0]  # F0.2 waits until stage 1 takes slice 1
+    assert forward_starts(eager, 1) == forward_starts(blocking, 1) == [1.0, 4.0, 7.0]
+    # the first backward on stage 0 waits for stage 1's last forward and backward either way
+    first_b0 = min(start for s, ins, start, _ in eager.timeline if s == 0 and isinstance(ins, BackwardSlice))
+    assert first_b0 == 1.0 + 3 * 3.0 + 2.0
+    assert eager.makespan == blocking.makespan == first_b0 + 3 * 2.0

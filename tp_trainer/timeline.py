@@ -64,7 +64,8 @@ def predicted_boxes(boxes: dict[int, list], schedule: str, microbatches: int, nu
             durations[(instr.stage, type(instr), instr.slice)].append(end - start)
     means = {key: mean(values) for key, values in durations.items()}
     schedules = [build_schedule(schedule, stages, s, microbatches, num_slices) for s in range(stages)]
-    result = simulate(schedules, duration=lambda i: means.get((i.stage, type(i), getattr(i, "slice", -1)), 0.0))
+    result = simulate(schedules, duration=lambda i: means.get((i.stage, type(i), getattr(i, "slice", -1)), 0.0),
+                      eager_sends=True)  # as the engine sends: without waiting for the receiver
     predicted = defaultdict(list)
     for stage, instr, start, end in result.timeline:
         if isinstance(instr, (ForwardSlice, BackwardSlice)):

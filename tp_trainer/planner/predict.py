@@ -72,7 +72,8 @@ def simulate_plan(plan: PlannedBatch, cost: PipelineCost, stages: int, schedule:
         b, l, _ = units[ins.unit]
         return float(cost.comm(b, l))
 
-    return simulate(plan_schedules(plan, stages, schedule), duration, comm_time)
+    # the engine's sends do not wait for the receiver (p2p.Transfers): time them that way
+    return simulate(plan_schedules(plan, stages, schedule), duration, comm_time, eager_sends=True)
 
 
 def predict_time(plan: PlannedBatch, cost: PipelineCost, stages: int, schedule: str = "gpipe") -> float:

@@ -23,6 +23,9 @@ each stage's blocked next instruction.
 Timing: each stage keeps a clock. A compute instruction advances its stage's
 clock by ``duration(instr)``; a matched pair sets both clocks to their max plus
 ``comm_time(send)``; a collective sets all clocks to the max (plus its duration).
+With ``eager_sends`` (how the engine runs: non-blocking sends, receives posted ahead) the
+order checks stay the same, but a send costs its stage no time and the receiver's clock becomes
+max(its clock, the sender's clock + comm_time): a sender never waits for its peer.
 """
 
 from __future__ import annotations
@@ -123,8 +126,9 @@ class SimulationResult:
 class _Simulator:
     """State of one simulation; see the module docstring for the semantics."""
 
-    def __init__(self, schedules, duration, comm_time):
+    def __init__(self, schedules, duration, comm_time, eager_sends: bool = False):
         self.K = len(schedules)
+        self.eager_sends = eager_sends
         if self.K < 1:
             raise ScheduleError("no stages: schedules must hold one list of steps per stage")
         self.duration = duration or default_duration
@@ -254,8 +258,13 @@ class _Simulator:
 
     def run_pair(self, i: int, ins: Instruction, p: int, other: Instruction, row) -> None:
         send = ins if ins.is_send else other
-        t = max(self.clock[i], self.clock[p]) + self.comm_time(send)
-        self.clock[i] = self.clock[p] = t
+        if self.eager_sends:
+            sender, receiver = (i, p) if ins.is_send else (p, i)
+            arrival = self.clock[sender] + self.comm_time(send)
+            self.clock[receiver] = max(self.clock[receiver], arrival)
+        else:
+            t = max(self.clock[i], self.clock[p]) + self.comm_time(send)
+            self.clock[i] = self.clock[p] = t
         self._mark(i, ins, row)
         self._mark(p, other, row)
 
@@ -333,10 +342,11 @@ class _Simulator:
 def simulate(schedules: Sequence[Sequence[Sequence[Instruction]]],
              duration: Optional[Callable[[Instruction], float]] = None,
              comm_time: Optional[Callable[[Instruction], float]] = None,
-             forward_only: bool = False) -> SimulationResult:
+             forward_only: bool = False, eager_sends: bool = False) -> SimulationResult:
     """Simulate ``schedules[i]`` (stage i's steps) for all stages together.
 
     ``forward_only``: an evaluation schedule (no backward may appear, none is required).
+    ``eager_sends``: time sends as the engine runs them (the sender does not wait; see above).
 
     Returns a :class:`SimulationResult`; raises :class:`ScheduleError` (message:
     what is wrong, then the round x stage grid) on deadlock, broken dependency,
@@ -344,7 +354,7 @@ def simulate(schedules: Sequence[Sequence[Sequence[Instruction]]],
     instruction to seconds (defaults: :func:`default_duration`,
     :func:`default_comm_time`).
     """
-    sim = _Simulator(schedules, duration, comm_time)
+    sim = _Simulator(schedules, duration, comm_time, eager_sends)
     while sim.step():
         pass
     sim.check_end(forward_only)
