@@ -3,6 +3,8 @@
 The engine executes the instructions of a schedule (``tp_trainer.schedule``) through one dispatch
 table and refuses anything else. Everything that is not slicing stays DeepSpeed's: the optimizer
 (ZeRO-1, bf16/fp16), the data-parallel and tied-gradient reductions, checkpoints and monitors.
+Activations and gradients between stages go through ``p2p.Transfers``: non-blocking sends, and
+receives posted one message ahead.
 
 Shapes are known on both sides from the plan: slice (m, j) carries an activation of shape
 (microbatch_size, slices[j], hidden) in the compute dtype, so no metadata is exchanged.
