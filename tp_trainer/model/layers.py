@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .embedding_grad import slice_embedding
 from .slice_cache import SequenceKV, SliceCache, slice_attention_mask
 
 
@@ -41,6 +42,10 @@ class SliceContext:
         if key not in self._per_slice:
             self._per_slice[key] = make()
         return self._per_slice[key]
+
+    def embed(self, embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        """``embedding(ids)`` for this slice, its weight gradient gathered per sequence."""
+        return slice_embedding(embedding, ids, self.cache.kv if self.cache is not None else None, self.start)
 
     def positions(self, device) -> torch.Tensor:
         """Position ids of the slice, shape (1, length): start .. start + length - 1."""
@@ -82,10 +87,12 @@ class HFPart(nn.Module):
 
 
 class TokenEmbedding(HFPart):
-    """input ids (b, l) int64 -> token embeddings (b, l, hidden)."""
+    """input ids (b, l) int64 -> token embeddings (b, l, hidden).
+
+    The weight's gradient is built once per sequence, not per slice (``embedding_grad``)."""
 
     def forward(self, input_ids):
-        return self.inner(input_ids)
+        return self.ctx.embed(self.inner, input_ids)
 
 
 class LearnedPositions(HFPart):
@@ -98,7 +105,7 @@ class LearnedPositions(HFPart):
 
     def forward(self, hidden):
         positions = self.ctx.positions(hidden.device) + self.offset
-        return self.drop(hidden + self.inner(positions).to(hidden.dtype))
+        return self.drop(hidden + self.ctx.embed(self.inner, positions).to(hidden.dtype))
 
 
 class DecoderBlock(HFPart):
