@@ -40,6 +40,7 @@ def batches(args, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def ds_config(args, terapipe: dict | None = None) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.batch,
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False,
+              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; (d) does not clip either
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                         "weight_decay": WEIGHT_DECAY, "torch_adam": True,
                                                         "fused": FUSED}},
