@@ -122,6 +122,15 @@ def write_result(args, engines, names, gathered, losses, everyone, load) -> None
         json.dump(result, handle)
 
 
+def flush_seconds(engine) -> float:
+    """Seconds to apply the weight gradients the stage deferred (0 where it defers none)."""
+    if engine.weight_grads is None:
+        return 0.0
+    start = time.perf_counter()
+    engine.weight_grads.flush()
+    return time.perf_counter() - start
+
+
 def stage_probe(engine, args, rounds: int = 5) -> dict:
     """Forward + backward of this stage's layers on the whole sequence (one slice, no pipeline), timed
     with every other rank waiting at a barrier ("alone") and with all ranks at once ("together"):
@@ -135,7 +144,8 @@ def stage_probe(engine, args, rounds: int = 5) -> dict:
         for turn in (*range(world), "all"):
             tdist.barrier()
             if turn in ("all", rank):
-                out["together" if turn == "all" else "alone"].append(sum(runner.run(1, args.seq_len, 0)))
+                out["together" if turn == "all" else "alone"].append(sum(runner.run(1, args.seq_len, 0))
+                                                                      + flush_seconds(engine))
     tdist.barrier()
     return {k: statistics.median(v) for k, v in out.items()}
 

@@ -50,7 +50,14 @@ class TeraPipeConfig:
     """Order of the (microbatch, slice) units: "gpipe" (TeraPipe: all forwards, then all backwards
     in reverse) or "1f1b" (warm-up forwards, then one forward / one backward: fewer units in flight)."""
 
+    defer_weight_grads: bool = True
+    """Stages after the first compute their linear layers' weight gradients after sending the gradient
+    of a microbatch's slice 0, not in each slice's backward: the previous stage gets its gradients
+    sooner (zero-bubble's B / W split). Applies with fp32 and ZeRO stage 0; ignored otherwise."""
+
     def __post_init__(self):
+        if not isinstance(self.defer_weight_grads, bool):
+            raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError(f"terapipe.seq_len: must be a positive integer, got {self.seq_len!r}")
         if self.schedule not in SCHEDULES:

@@ -23,7 +23,9 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from .model.layers import DecoderBlock
 from .model.slice_cache import SequenceKV
+from .model.weight_grad import DeferredWeightGrads, deferrable_linears, defer
 from .p2p import Transfers
 from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
@@ -58,7 +60,8 @@ def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch
 class TeraPipeEngine(PipelineEngine):
     """A PipelineEngine whose unit of work is one token slice of one microbatch."""
 
-    def __init__(self, *args, plan: SlicePlan, schedule: str = "gpipe", hidden_size: int, **kwargs):
+    def __init__(self, *args, plan: SlicePlan, schedule: str = "gpipe", hidden_size: int,
+                 defer_weight_grads: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
             raise ValueError(f"plan {plan} disagrees with the DeepSpeed config: gradient_accumulation_steps="
@@ -71,7 +74,19 @@ class TeraPipeEngine(PipelineEngine):
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
         self._offsets = plan.offsets
         self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
+        self.weight_grads = self._deferred_weight_grads() if defer_weight_grads else None
         self._reset_step_state()
+
+    def _deferred_weight_grads(self) -> DeferredWeightGrads | None:
+        """Defer the weight gradients of this stage's decoder blocks (model/weight_grad.py), where it
+        helps and is safe: not on the first stage (nobody waits for its input gradients), and only
+        where DeepSpeed reads ``.grad`` at the step (fp32, ZeRO stage 0), not through grad hooks."""
+        if self.is_first_stage() or self.fp16_enabled() or self.bfloat16_enabled() or self.zero_optimization_stage():
+            return None
+        blocks = [layer.inner for layer in self.module.forward_funcs if isinstance(layer, DecoderBlock)]
+        store = DeferredWeightGrads()
+        defer(deferrable_linears(blocks), store)
+        return store
 
     # ----------------------------------------------------------------------------- schedule
     def _train_schedule(self):
@@ -253,11 +268,15 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_send_grad(self, cmd: SendGrad):
         received = self._inputs.pop((cmd.microbatch, cmd.slice))
         self._transfers.send(received.grad.contiguous(), self._peer_rank(cmd), cmd)
+        if cmd.slice == 0 and self.weight_grads is not None:
+            self.weight_grads.flush()  # the microbatch's backward is done: its weight gradients now
 
     def _exec_recv_grad(self, cmd: RecvGrad):
         self._out_grads[(cmd.microbatch, cmd.slice)] = self._receive(cmd)
 
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
+        if self.weight_grads is not None and len(self.weight_grads):
+            raise RuntimeError(f"{cmd}: weight gradients still deferred; the schedule sent no gradient of slice 0")
         self._exec_reduce_tied_grads()
 
     def _exec_reduce(self, cmd: ReduceGrads):

@@ -107,7 +107,8 @@ def initialize(model, config, args=None, training_data=None, optimizer=None, lr_
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                             config_class=config_class, plan=plan, schedule=terapipe.schedule,
-                            hidden_size=model.config.hidden_size)
+                            hidden_size=model.config.hidden_size,
+                            defer_weight_grads=terapipe.defer_weight_grads)
     engine.plan_report = report
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
