@@ -24,6 +24,7 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "schedule": "zigzag"}, r"terapipe.schedule: unknown schedule 'zigzag'"),
     ({"seq_len": 0}, r"terapipe.seq_len: must be a positive integer"),
     ({"seq_len": 16, "slice": [16]}, r"unknown key\(s\) \['slice'\]"),
+    ({"seq_len": 16, "defer_weight_grads": "yes"}, r"terapipe.defer_weight_grads: must be true or false, got 'yes'"),
 ])
 def test_bad_terapipe_section(section, message):
     with pytest.raises(ConfigError, match=message):
