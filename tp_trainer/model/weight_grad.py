@@ -11,7 +11,10 @@ only dx during a slice's backward and keep (x, dy). ``flush()`` then computes ea
 db once for all the slices kept (one large product instead of one per slice; the same sum in
 another order) and adds them into ``.grad``. The engine flushes right after sending the gradient of
 a microbatch's slice 0, when this stage would otherwise wait. Memory: the kept x and dy of a
-microbatch's slices live until the flush (x is what autograd saved for backward anyway).
+microbatch's slices live until the flush (x is what autograd saved for backward anyway). In a
+recorded timeline the flush is part of the stage's ``SendGrad`` of slice 0 (drawn as a gap between
+backward boxes). The planner's profile, taken before the engine defers anything, times the whole
+backward, so its predictions do not count this saving.
 
 The modules stay the HF ones; only their ``forward`` is rerouted (``defer``), and ``restore``
 puts it back. Handles GPT-2's ``Conv1D`` (weight stored (in, out)) and ``nn.Linear`` ((out, in)).
