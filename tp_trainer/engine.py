@@ -19,9 +19,9 @@ import time
 
 import torch
 from deepspeed import comm as dist
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from .model.layers import DecoderBlock
 from .model.slice_cache import SequenceKV
@@ -100,7 +100,7 @@ class TeraPipeEngine(PipelineEngine):
         self._instructions = [instruction for step in steps for instruction in step]
         self._next_recv = _next_receives(self._instructions)
         self._transfers = Transfers()
-        for index in self._next_recv.get(-1, ()):  # the first receive of each kind, posted now
+        for index in self._next_recv[-1]:  # the first receive of each kind, posted now
             self._post_recv(self._instructions[index])
         for self._position, instruction in enumerate(self._instructions):
             handler = self._DISPATCH.get(type(instruction))
@@ -220,9 +220,7 @@ class TeraPipeEngine(PipelineEngine):
         self._transfers.post_recv(cmd, buffer, self._peer_rank(cmd))
 
     def _receive(self, cmd) -> torch.Tensor:
-        """Wait for the message of ``cmd`` and post the next receive of the same kind."""
-        if not self._transfers.is_posted(cmd):
-            self._post_recv(cmd)
+        """Wait for the message of ``cmd`` (posted ahead) and post the next receive of the same kind."""
         buffer = self._transfers.recv(cmd)
         following = self._next_recv.get(self._position)
         if following is not None:

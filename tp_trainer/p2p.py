@@ -42,9 +42,6 @@ class Transfers:
             raise RuntimeError(f"receive {label} posted twice")
         self._recvs[label] = (dist.irecv(buffer, src_rank), buffer)
 
-    def is_posted(self, label) -> bool:
-        return label in self._recvs
-
     def recv(self, label) -> torch.Tensor:
         """Wait for the posted receive ``label`` and return its buffer."""
         work, buffer = self._recvs.pop(label)

@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-try:
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers always has it today
-    Conv1D = ()
+from transformers.pytorch_utils import Conv1D
 
 
 class DeferredWeightGrads:
