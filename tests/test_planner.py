@@ -247,3 +247,19 @@ def test_cli_plans_from_a_cost_model(tmp_path, capsys):
     assert "planner time" in text and "uniform:8" in text and "predicted" in text
     saved = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert all(sum(s) == 2048 for s in saved["slices"]) and sum(saved["microbatch_sizes"]) == 8
+
+
+def test_cli_runs_as_the_planner_package_and_the_old_command_names_it(tmp_path):
+    """``python -m tp_trainer.planner`` is the CLI; ``python -m tp_trainer.plan`` (the old command,
+    whose import of the planner was a cycle) stops with one line naming the new one."""
+    import subprocess
+    import sys
+    cost = proportional_cost()
+    cost.save(str(tmp_path / "c.json"))
+    cmd = [sys.executable, "-m", "tp_trainer.planner", "--seq_len", "256", "--batch", "2", "--stages", "2",
+           "--cost_model", str(tmp_path / "c.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "planner time" in done.stdout and "uniform:4" in done.stdout
+    old = subprocess.run([sys.executable, "-m", "tp_trainer.plan"], capture_output=True, text=True, timeout=300)
+    assert old.returncode == 1 and "python -m tp_trainer.planner" in old.stderr

@@ -96,6 +96,5 @@ def _uniform(spec: str, seq_len: int) -> tuple[int, ...]:
     return tuple(base + 1 if j < extra else base for j in range(n))
 
 
-if __name__ == "__main__":
-    from .planner.cli import main
-    main()
+if __name__ == "__main__":  # the planner's CLI moved; importing it here made plan -> planner -> plan a cycle
+    raise SystemExit("python -m tp_trainer.plan moved: run python -m tp_trainer.planner with the same flags")

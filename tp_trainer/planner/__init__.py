@@ -5,5 +5,5 @@
     dp.plan_batch -> dp.PlannedBatch      the exact DP (microbatch split + slicing per microbatch)
     predict.predict_time                  iteration time from the simulated schedule
     auto.auto_slices / auto.auto_plan     "slices": "auto" at start-up (collective over ranks)
-    cli.main                              python -m tp_trainer.plan
+    cli.main                              python -m tp_trainer.planner (__main__.py)
 """

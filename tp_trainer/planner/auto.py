@@ -114,7 +114,7 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
         text = cost.describe() + "\n" + report(plan, cost, stages, schedule, seconds)
         result = [(plan, text)]
         if save_dir:
-            _save(save_dir, plan, text)
+            save_plan(save_dir, plan, text)
     if _dist()[1] > 1:
         tdist.broadcast_object_list(result, src=0)
     return result[0]
@@ -145,7 +145,9 @@ def _hidden(module) -> int:
     raise ValueError("auto slices: pass hidden=model.config.hidden_size (no LayerNorm to read it from)")
 
 
-def _save(save_dir: str, plan: PlannedBatch, text: str) -> None:
+def save_plan(save_dir: str, plan: PlannedBatch, text: str) -> None:
+    """Write ``plan.json`` (the plan as data) and ``plan.txt`` (the report) into ``save_dir``, each
+    replaced atomically. Used by ``auto_plan`` and by ``python -m tp_trainer.planner --save_dir``."""
     os.makedirs(save_dir, exist_ok=True)
     data = {"seq_len": plan.seq_len, "stages": plan.stages, "microbatch_sizes": list(plan.microbatch_sizes),
             "slices": [list(s) for s in plan.slices], "predicted_time": plan.predicted_time,

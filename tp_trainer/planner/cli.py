@@ -1,8 +1,8 @@
-"""``python -m tp_trainer.plan``: plan token slices for a model, sequence length, batch and stages.
+"""``python -m tp_trainer.planner``: plan token slices for a model, sequence length, batch and stages.
 
-    python -m tp_trainer.plan --model tiny --seq_len 512 --batch 1 --stages 2 --profile \
+    python -m tp_trainer.planner --model tiny --seq_len 512 --batch 1 --stages 2 --profile \
         --save_cost_model runs/cost.json
-    python -m tp_trainer.plan --seq_len 2048 --batch 8 --stages 4 --cost_model runs/cost.json
+    python -m tp_trainer.planner --seq_len 2048 --batch 8 --stages 4 --cost_model runs/cost.json
 
 ``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
 shapes, not the weights), or a preset of tp_trainer/model/presets.py (``tiny`` = ``gpt2-tiny``).
@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from .auto import save_plan
 from .cost_model import PipelineCost
 from .profile import profile_stage, time_copy
 from .report import make_plan, report
@@ -84,7 +85,7 @@ def profile_model(config, seq_len: int, stages: int, batch_sizes, granularity: i
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tp_trainer.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tp_trainer.planner", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny | gpt2 | checkpoint dir | config.json")
     p.add_argument("--seq_len", type=int, required=True)
     p.add_argument("--batch", type=int, default=1, help="sequences per iteration (per data-parallel replica)")
@@ -123,10 +124,6 @@ def main(argv=None) -> None:
                               args.microbatch_size, not args.any_split)
     print(report(plan, cost, args.stages, args.schedule, seconds))
     if args.save_dir:
-        from .auto import _save
-        _save(args.save_dir, plan, report(plan, cost, args.stages, args.schedule))
+        save_plan(args.save_dir, plan, report(plan, cost, args.stages, args.schedule))
     sys.stdout.flush()
 
-
-if __name__ == "__main__":
-    main()

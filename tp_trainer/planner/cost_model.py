@@ -154,7 +154,7 @@ class PipelineCost:
     def load(cls, path: str) -> "PipelineCost":
         if not os.path.isfile(path):
             raise FileNotFoundError(f"terapipe.cost_model: {path!r} does not exist; profile first "
-                                    f"(python -m tp_trainer.plan --profile --save_cost_model {path})")
+                                    f"(python -m tp_trainer.planner --profile --save_cost_model {path})")
         with open(path, encoding="utf-8") as handle:
             return cls.from_json(handle.read())
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..plan import SlicePlan
+
 INF = np.inf
 
 
@@ -54,7 +56,6 @@ class PlannedBatch:
 
     def to_slice_plan(self):
         """The engine's ``SlicePlan`` (needs equal microbatches with equal slicing)."""
-        from ..plan import SlicePlan
         if not self.uniform_microbatches:
             raise ValueError(f"plan has unequal microbatches {self.microbatch_sizes}; SlicePlan needs equal ones")
         return SlicePlan(self.seq_len, tuple(self.slices[0]), len(self.microbatch_sizes), self.microbatch_sizes[0])

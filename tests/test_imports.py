@@ -1,0 +1,131 @@
+"""Every tp_trainer module imports, and no tp_trainer modules import each other in a cycle.
+
+A cycle among module-level imports makes the result depend on which module is imported first
+(a partly initialised module hands out missing names) and ties layers together that should stand
+apart: the planner must not need the value objects' module to import the planner back. The graph
+is built from the source with ``ast``, so a cycle is found even where today's import order hides it.
+Imports inside functions are deliberate lazy imports and are not edges; every other import
+statement (at the top, inside ``if``/``try``, ``if __name__ == "__main__"`` blocks included) is.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "tp_trainer"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+
+def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of the package (``__init__`` = the package)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _module_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported (not those inside a def)."""
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            pending.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+
+
+def _targets(node, name: str, is_package: bool, modules) -> set[str]:
+    """The package modules that one import statement of module ``name`` loads."""
+    if isinstance(node, ast.Import):
+        bases = [alias.name for alias in node.names]
+        return {base for base in bases if base in modules}
+    if node.level:
+        anchor = name.split(".") if is_package else name.split(".")[:-1]
+        anchor = anchor[:len(anchor) - node.level + 1]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    found = set()
+    for alias in node.names:
+        child = f"{base}.{alias.name}"
+        if child in modules:
+            found.add(child)      # ``from pkg import submodule``
+        elif base in modules:
+            found.add(base)       # ``from module import name``
+    return found
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at module level (itself excluded)."""
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in _module_level_imports(tree):
+            edges |= _targets(node, name, is_package, modules)
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (depth-first search with colours)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle_among_package_modules():
+    graph = import_graph(module_files())
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle among tp_trainer modules: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("name", sorted(module_files()))
+def test_every_module_imports(name):
+    assert importlib.import_module(name).__name__ == name
+
+
+def test_checker_finds_a_planted_cycle(tmp_path):
+    """The checker is not blind: a package whose modules import each other, through a relative
+    ``from .b import x``, an ``if __name__ == "__main__"`` block and an ``import pkg.c``, is reported;
+    an import inside a function is not an edge."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import x\n")
+    (pkg / "b.py").write_text("x = 1\nif __name__ == '__main__':\n    import pkg.c\n")
+    (pkg / "c.py").write_text("from . import a\n")
+    (pkg / "d.py").write_text("def f():\n    from . import a\n")
+    graph = import_graph(module_files(pkg, "pkg"))
+    assert graph["pkg.d"] == set()
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (pkg / "b.py").write_text("x = 1\n")
+    assert find_cycle(import_graph(module_files(pkg, "pkg"))) is None
