@@ -40,6 +40,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--save_interval", type=int, help="DeepSpeed checkpoint every N steps and at the end")
     train.add_argument("--resume", nargs="?", const="latest",
                        help="continue from <output_dir>/checkpoints: 'latest' (default) or a tag such as step30")
+    train.add_argument("--reset_optimizer", action="store_true",
+                       help="with --resume: keep only the weights (fresh optimizer state and LR schedule)")
+    train.add_argument("--reset_data_position", action="store_true",
+                       help="with --resume: start the data from its first block (allows another global batch)")
     train.add_argument("--timeline", help="PNG: measured Gantt chart of the last step beside the simulated one")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--output_dir", default="runs/latest", help="where the plan and logs are written")

@@ -1,11 +1,19 @@
-"""DeepSpeed checkpoints that are complete or absent, and exact resume.
+"""Checkpoints that are complete or absent; resume on the same layout or on another one.
 
 Layout: ``<output_dir>/checkpoints/<tag>/`` holds DeepSpeed's files (one per pipeline layer, the
-optimizer states), ``rng_rank<r>.pt`` per rank, ``terapipe.json`` (step, samples consumed, plan)
-and, last, ``COMPLETE``. ``latest`` names the newest complete tag; it is replaced atomically
-after every rank has finished writing, so a crash while saving leaves the previous checkpoint
-usable and ``latest`` never points at a partial save. (DeepSpeed alone writes ``latest`` from rank 0
-as soon as rank 0 is done, before the other ranks are.)
+optimizer states), ``rng_rank<r>.pt`` per rank, the layout-free form (``checkpoint/layout_free.py``:
+per HF parameter name its fp32 weight and optimizer state), the model's ``config.json``,
+``terapipe.json`` (step, global samples consumed, layout, global batch, model and optimizer, the
+files written with their sizes) and, last, ``COMPLETE``. ``latest`` names the newest complete tag;
+it is replaced atomically after every rank has finished writing, so a crash while saving leaves
+the previous checkpoint usable and ``latest`` never points at a partial save. (DeepSpeed alone
+writes ``latest`` from rank 0 as soon as rank 0 is done, before the other ranks are.)
+
+Resume (``resume_checks.check_resume`` decides how, before any process group): on the same layout
+(stages, replicas, ZeRO stage, precision) DeepSpeed's files and every rank's RNG state are
+restored: bit for bit. On another layout the layout-free form is read; the math is the same, so the
+run continues to fp32 rounding (the reduction order changes with the layout). Dropout masks there
+come from RNGs reseeded from (step, rank): a layout's masks differ from another's anyway.
 """
 
 from __future__ import annotations
@@ -13,15 +21,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import zlib
 
 import numpy as np
 import torch
 
+from .checkpoint import layout_free, optimizer_state
 from .config import ConfigError
 from .plan import SlicePlan
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+MANIFEST = "terapipe.json"
+FORMAT = 2  # 1 (no "format" key): same-layout only, samples counted per replica
 
 
 def checkpoint_dir(output_dir: str) -> str:
@@ -53,42 +65,102 @@ def complete_tags(ckpt: str) -> list[str]:
     return sorted(t for t in os.listdir(ckpt) if os.path.isfile(os.path.join(ckpt, t, COMPLETE)))
 
 
-def save(engine, ckpt: str, step: int, samples: int, before_commit=None) -> str:
-    """Collective: save step ``step``; returns the tag. ``before_commit`` runs (on every rank)
-    after the files are written and before the checkpoint is marked complete (fault tests)."""
+def save(engine, ckpt: str, step: int, samples: int, before_commit=None, config=None) -> str:
+    """Collective: save step ``step`` (``samples``: global samples consumed); returns the tag.
+    ``config``: the HF config of the model (recorded for resume checks and export).
+    ``before_commit`` runs (on every rank) after the files are written and before the checkpoint
+    is marked complete (fault tests)."""
     from deepspeed import comm as dist
     tag = f"step{step}"
     engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
     tag_dir = os.path.join(ckpt, tag)
     torch.save(_rng_state(), os.path.join(tag_dir, f"rng_rank{dist.get_rank()}.pt"))
+    with_layout_free = optimizer_state.supported(engine)
+    if with_layout_free:
+        layout_free.save(engine, tag_dir)
     if before_commit is not None:
         before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
-        state = {"step": step, "samples": samples, "plan": json.loads(engine.plan.to_json())}
-        _write_atomic(os.path.join(tag_dir, "terapipe.json"), json.dumps(state, indent=2))
+        if config is not None:
+            config.to_json_file(os.path.join(tag_dir, "config.json"))
+        state = manifest(engine, step, samples, config, with_layout_free, tag_dir)
+        _write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps(state, indent=1))
         _write_atomic(os.path.join(tag_dir, COMPLETE), "")
         _write_atomic(os.path.join(ckpt, LATEST), tag)
     dist.barrier()
     return tag
 
 
-def load(engine, ckpt: str, tag: str) -> tuple[int, int]:
-    """Restore weights, optimizer, scheduler, RNG; returns (step, samples consumed per replica)."""
+def manifest(engine, step: int, samples: int, config, with_layout_free: bool, tag_dir: str) -> dict:
+    """What a resume checks before any work: layout, global batch, model, optimizer, files."""
+    files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name in sorted(os.listdir(tag_dir))}
+    return {"format": FORMAT, "step": step, "global_samples": samples,
+            "samples": samples // engine.dp_world_size,  # per replica, as format 1 counted
+            "plan": json.loads(engine.plan.to_json()), "schedule": engine.schedule_name,
+            "layout": current_layout(engine), "global_batch": engine.train_batch_size(),
+            "optimizer": {"type": (engine.optimizer_name() or "").lower(),
+                          "class": type(optimizer_state.base_optimizer(engine)).__name__},
+            "model": model_record(config) if config is not None else None,
+            "layout_free": layout_free.files(layout_free.read_index(tag_dir)) if with_layout_free else None,
+            "files": files}
+
+
+def current_layout(engine) -> dict:
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return {"stages": engine.num_stages, "replicas": engine.dp_world_size,
+            "zero_stage": engine.zero_optimization_stage(), "precision": precision}
+
+
+def model_record(config) -> dict:
+    """The model's family, vocabulary and parameter shapes by HF name (from a meta model)."""
+    from .checkpoint import meta_model
+    shapes = {name: list(p.shape) for name, p in meta_model(config).named_parameters()}
+    return {"model_type": config.model_type, "vocab_size": getattr(config, "vocab_size", None), "shapes": shapes}
+
+
+def load(engine, point) -> tuple[int, int]:
+    """Restore what ``point`` (``resume_checks.ResumePoint``) says; returns (step, global samples
+    consumed: where the data continues)."""
+    tag_dir = os.path.join(point.ckpt, point.tag)
+    state = point.manifest
+    if point.same_layout:
+        _load_deepspeed(engine, point.ckpt, point.tag, state)
+    else:
+        layout_free.load(engine, tag_dir, optimizer=not point.reset_optimizer)
+        engine.global_steps = state["step"]
+        engine.global_samples = state["step"] * engine.train_batch_size()
+        _reseed(state["step"], engine.global_rank)
+    if point.reset_data:
+        return state["step"], 0
+    samples = state.get("global_samples")
+    if samples is None:  # format 1: per replica, on this same layout
+        samples = state["samples"] * engine.dp_world_size
+    return state["step"], samples
+
+
+def _load_deepspeed(engine, ckpt: str, tag: str, state: dict) -> None:
+    """DeepSpeed's own checkpoint and this rank's RNG: the same layout, bit for bit."""
     from deepspeed import comm as dist
     tag_dir = os.path.join(ckpt, tag)
-    with open(os.path.join(tag_dir, "terapipe.json"), encoding="utf-8") as handle:
-        state = json.load(handle)
-    saved_plan = SlicePlan.from_json(json.dumps(state["plan"]))
-    if saved_plan != engine.plan:
-        raise ConfigError(f"--resume: checkpoint {tag_dir} was trained with {saved_plan}, this run has "
-                          f"{engine.plan}; resume with the same terapipe section and batch sizes")
+    if "format" not in state:  # format 1 recorded no layout: the plan stands for it
+        saved_plan = SlicePlan.from_json(json.dumps(state["plan"]))
+        if saved_plan != engine.plan:
+            raise ConfigError(f"--resume: checkpoint {tag_dir} was trained with {saved_plan}, this run has "
+                              f"{engine.plan}; resume with the same terapipe section and batch sizes")
     path, _ = engine.load_checkpoint(ckpt, tag=tag)
     if path is None:
         raise ConfigError(f"--resume: DeepSpeed could not load {tag_dir}")
     rng = os.path.join(tag_dir, f"rng_rank{dist.get_rank()}.pt")
     _set_rng_state(torch.load(rng, weights_only=False))
-    return state["step"], state["samples"]
+
+
+def _reseed(step: int, rank: int) -> None:
+    """Another layout: this rank's RNGs (dropout) from (step, rank), reproducibly."""
+    seed = zlib.crc32(f"tp_trainer resume {step} {rank}".encode())
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
 
 
 def _rng_state() -> dict:

@@ -15,11 +15,12 @@ from tqdm import tqdm
 from .config import ConfigError, load_ds_config
 from .data import DataArgs, DataConfigError, build_lm_dataset, get_tokenizer
 from . import faults, resume
-from .data.sampling import replica_batches
+from .data.sampling import step_batches
 from .engine import PipelineFailure
 from .initialize import check_run, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
-from .resume import checkpoint_dir, resolve_resume
+from .resume import checkpoint_dir
+from .resume_checks import check_resume
 
 log = logging.getLogger("tp_trainer")
 
@@ -45,6 +46,8 @@ class RunArgs:
     save_hf: bool = True
     save_interval: int | None = None
     resume: str | None = None
+    reset_optimizer: bool = False
+    reset_data_position: bool = False
     timeline: str | None = None
 
     def check(self):
@@ -113,7 +116,9 @@ def run(args: RunArgs) -> list[float]:
         # the vocabulary does not matter for the checks (positions, depth, stages)
         check_run(ds_config, model_config(args, vocab_size=1), launch_world_size())
         check_checkpointable(ds_config, args)
-        resume_from = resolve_resume(args.output_dir, args.resume) if args.resume else None
+        resume_from = check_resume(args.output_dir, args.resume, ds_config, lambda vocab: model_config(args, vocab),
+                                   launch_world_size(), args.reset_optimizer,
+                                   args.reset_data_position) if args.resume else None
     except (ConfigError, DataConfigError, OSError) as err:
         if rank == 0:
             log.error("error: %s", err)
@@ -159,11 +164,12 @@ def _start(args, ds_config, data_args, rank, resume_from) -> Job:
     engine, *_ = initialize(meta_model(config), ds_config, checkpoint=args.model_name_or_path, seed=args.seed)
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
     validation = build_lm_dataset(data_args, tokenizer, "validation")
-    first_step, samples = resume.load(engine, *resume_from) if resume_from else (0, 0)
+    first_step, samples = resume.load(engine, resume_from) if resume_from else (0, 0)
     if resume_from and rank == 0:
-        log.info("resumed from %s at step %d (%d samples per replica consumed)", resume_from[1], first_step, samples)
-    batches = replica_batches(dataset, engine.micro_batch_size, engine.grid.data_parallel_id,
-                              engine.dp_world_size, start=samples)
+        log.info("resumed from %s at step %d (%d samples consumed, %s)", resume_from.tag, first_step, samples,
+                 "same layout" if resume_from.same_layout else "layout-free")
+    batches = step_batches(dataset, engine.micro_batch_size, engine.micro_batches, engine.grid.data_parallel_id,
+                           engine.dp_world_size, start=samples)
     return Job(engine, config, tokenizer, validation, batches, first_step, samples)
 
 
@@ -182,7 +188,7 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
     """Train from ``job.first_step`` to ``args.max_steps``: log, evaluate and report memory every
     ``eval_interval`` steps and at the last one, checkpoint."""
     engine, losses = job.engine, []
-    per_step = engine.micro_batches * engine.micro_batch_size
+    per_step = engine.train_batch_size()  # global samples (every replica)
     bar = tqdm(range(job.first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
         loss = _step(job, args, step)
@@ -197,7 +203,8 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
             evaluate(engine, job.validation, args, step=step, rank=rank)
             log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
         if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
-            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, faults.during_save(step))
+            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, faults.during_save(step),
+                              config=job.config)
             faults.after_save(step)
             if rank == 0:
                 log.info("saved checkpoint %s", tag)
