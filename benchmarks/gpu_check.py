@@ -1,0 +1,221 @@
+"""One command that checks the GPU path and calibrates the cost models (issue 15).
+
+    python benchmarks/gpu_check.py [--device auto|cpu] [--sizes small|full] [--out DIR] [--budget S]
+    bash scripts/gpu_check.sh [same flags]       # sets up .venv with a CUDA torch first
+
+Steps (each result says which device it ran on; a step that cannot run here says why):
+  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
+     harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;
+  2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
+     forced overflow is skipped, the scale drops, no NaN reaches the weights;
+  3. bf16 likewise (no loss scale; the overflow step is skipped by the bf16 optimizer);
+  4. per-slice cost t(len, ctx) of GPT-2 blocks (small and medium on a GPU; one small width on a
+     CPU) over the planner's profiling grid, and the cost of slicing one sequence into 1..64
+     slices against the plain HF blocks, eager and (GPU) compiled;
+  5. the analytic device model of benchmarks/paper_sim.py fitted to step 4 (achieved fraction of
+     peak, n_1/2, per-kernel overhead, HBM), and the paper-scale table rerun with the measured
+     preset beside the V100 one;
+  2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048, and the
+     long-context benchmark where present.
+Steps 1-3 and the multi-GPU runs need CUDA; without it they are reported as skipped, and steps
+4-5 run on the CPU at small sizes (about 30 s: what CI runs). Writes DIR/gpu_check.{md,json} and
+DIR/cost_curve.png (default benchmarks/results/gpu/, or benchmarks/results/gpu/cpu/ on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import ROOT  # noqa: E402  (puts the repository and tests/ on sys.path)
+
+import torch  # noqa: E402
+
+# block sets of step 4: (label, hidden, heads, blocks)
+SIZES = {
+    "small": {"sets": [("w128", 128, 2, 2), ("w256", 256, 4, 2)], "seq_len": 512, "granularity": 32,
+              "max_slices": 32, "budget_s": 8.0, "repeats": 3, "steps": 50},
+    "full": {"sets": [("gpt2-small", 768, 12, 4), ("gpt2-medium", 1024, 16, 4)], "seq_len": 1024,
+             "granularity": 8, "max_slices": 64, "budget_s": 60.0, "repeats": 5, "steps": 50},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="auto: the accelerator DeepSpeed finds; cpu: steps 4-5 on the CPU, GPU steps skipped")
+    p.add_argument("--sizes", choices=tuple(SIZES), default=None, help="default: full on a GPU, small on a CPU")
+    p.add_argument("--out", default=None, help="output directory")
+    p.add_argument("--budget", type=float, default=None, help="seconds of grid profiling per block set")
+    p.add_argument("--seq_len", type=int, default=None, help="tokens per sequence in step 4 (default by --sizes)")
+    p.add_argument("--max_slices", type=int, default=None, help="most slices in step 4's slicing run (default by --sizes)")
+    p.add_argument("--paper", choices=("all", "175b"), default="all",
+                   help="paper-scale settings to rerun with the measured preset (175b: the two GPT3-175B rows)")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="also time compiled blocks (auto: on a GPU only; compiling on 2 CPU cores takes minutes)")
+    return p.parse_args(argv)
+
+
+def _run(command: list[str]) -> str | None:
+    if not shutil.which(command[0]):
+        return None
+    try:
+        return subprocess.run(command, text=True, capture_output=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """Device, driver, torch, CUDA, NCCL and library versions; printed and stored with the results."""
+    import deepspeed
+    import transformers
+    from deepspeed.accelerator import get_accelerator
+    cuda = torch.cuda.is_available()
+    env = {"accelerator": get_accelerator().device_name(), "cuda_available": cuda,
+           "gpus": torch.cuda.device_count() if cuda else 0,
+           "device_name": torch.cuda.get_device_name(0) if cuda else _cpu_name(),
+           "driver": _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+           "nvidia_smi_gpus": _run(["nvidia-smi", "-L"]),
+           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+           "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count()}
+    print("[gpu_check] " + ("; ".join(f"{k}: {v}" for k, v in env.items()) if cuda else
+                            f"no CUDA: {gpu_missing(env)}; " + "; ".join(f"{k}: {env[k]}" for k in
+                                                                         ("device_name", "torch", "deepspeed"))),
+          flush=True)
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_missing(env: dict) -> str | None:
+    """Why the GPU-only steps cannot run here (None when they can)."""
+    if env["accelerator"] == "cuda" and env["cuda_available"]:
+        return None
+    seen = f"nvidia-smi sees: {env['nvidia_smi_gpus']}" if env["nvidia_smi_gpus"] else "nvidia-smi not found"
+    return (f"no CUDA device: DeepSpeed's accelerator is '{env['accelerator']}', torch {env['torch']} "
+            f"(CUDA build: {env['torch_cuda']}), torch.cuda.is_available() {env['cuda_available']}, {seen}")
+
+
+def engine_steps(env: dict, device_flag: str, steps: int) -> list[dict]:
+    """Steps 1-3 on the GPU, or the three skips with their reason."""
+    import _gpu_steps as gs
+    why = "--device cpu was given" if device_flag == "cpu" else gpu_missing(env)
+    if why:
+        return [gs.skipped(name, why) for name in ("1 exactness, 1 stage, fp32 (TF32 off) vs HF",
+                                                   "2 fp16 vs fp32", "3 bf16 vs fp32")]
+    from deepspeed.accelerator import get_accelerator
+    accel = get_accelerator()
+    out = [gs.step_exactness(torch.device(accel.device_name(0)))]
+    not_here = f"{env['device_name']} does not support %s (DeepSpeed's accelerator says so)"
+    out += gs.precision_steps(steps, accel.is_fp16_supported(), accel.is_bf16_supported(),
+                              {"fp16": not_here % "fp16", "bf16": not_here % "bf16"})
+    return out
+
+
+def multi_gpu(env: dict, device_flag: str, out_dir: str) -> list[dict]:
+    import _gpu_steps as gs
+    if device_flag == "cpu" or gpu_missing(env):
+        return [gs.skipped("2+ GPUs: compare.py with NCCL, long context", "--device cpu was given"
+                           if device_flag == "cpu" else gpu_missing(env))]
+    if env["gpus"] < 2:
+        return [gs.skipped("2+ GPUs: compare.py with NCCL, long context",
+                           f"{env['gpus']} GPU here: NCCL refuses two ranks on one device")]
+    return gs.multi_gpu_runs(env["gpus"], out_dir)
+
+
+def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
+    """Steps 4-5: measure every block set, fit the analytic device model to all of them."""
+    import _gpu_cost as gc
+    import _gpu_fit as gf
+    on_cpu = device == "cpu"
+    dtype = torch.float32 if on_cpu else torch.float16
+    if on_cpu:
+        torch.set_num_threads(1)  # as the planner profiles a rank: 1 thread (2 shared cores here)
+    compiled_modes = ([] if compile_mode == "off" or (compile_mode == "auto" and on_cpu)
+                      else ["default", "reduce-overhead"] if not on_cpu else ["default"])
+    sets, groups = [], []
+    for label, hidden, heads, blocks in sizes["sets"]:
+        start = time.perf_counter()
+        layers, ctx, hf_blocks = gc.build_blocks(hidden, heads, blocks, sizes["seq_len"], device, dtype)
+        cost = gc.measure_grid(layers, ctx, hidden, sizes["seq_len"], sizes["granularity"], sizes["budget_s"],
+                               sizes["repeats"])
+        slicing = gc.measure_slicing(layers, ctx, hf_blocks, hidden, sizes["seq_len"], sizes["max_slices"], device,
+                                     dtype, sizes["repeats"])
+        compiled = [gc.measure_compiled(layers, ctx, hf_blocks, hidden, sizes["seq_len"], sizes["max_slices"],
+                                        device, dtype, mode, sizes["repeats"]) for mode in compiled_modes]
+        rows = [list(map(float, r)) for r in cost.samples]
+        groups.append({"samples": [r[:3] for r in rows], "times": [(r[3] + r[4]) / blocks for r in rows],
+                       "hidden": hidden, "heads": heads})
+        sets.append({"label": label, "hidden": hidden, "heads": heads, "blocks": blocks, "dtype": str(dtype),
+                     "samples": rows, "planner_heldout": cost.heldout, "slicing": slicing, "compiled": compiled,
+                     "compile_skipped": None if compiled_modes else _compile_skip(compile_mode),
+                     "backward_over_forward": sum(r[4] for r in rows) / sum(r[3] for r in rows),
+                     "seconds": time.perf_counter() - start})
+        print(f"[gpu_check] step 4 {label}: {len(rows)} grid points, slicing 1..{max(slicing['sliced_s'])} "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)
+    peak, peak_source = _peak(env, device, dtype)
+    spec, report = gf.fit_device(groups, peak, f"measured: {env['device_name']} ({str(dtype)[6:]}, links of p3.16xlarge)")
+    print("[gpu_check] step 5: " + gf.describe(spec, report).replace("**", ""), flush=True)
+    return {"device": device, "dtype": str(dtype), "seq_len": sizes["seq_len"], "sets": sets, "groups": groups,
+            "spec": spec, "fit": report, "peak_source": peak_source}
+
+
+def _compile_skip(mode: str) -> str:
+    return ("--compile off" if mode == "off" else
+            "not timed on the CPU by default: torch.compile of the slice path takes minutes on 2 cores "
+            "(--compile on to try)")
+
+
+def _peak(env: dict, device: str, dtype) -> tuple[float, str]:
+    """The rate the achieved fraction is a fraction of: the GPU's datasheet fp16 peak if known,
+    else a measured large GEMM on this device."""
+    import _gpu_cost as gc
+    import _gpu_fit as gf
+    if device != "cpu" and gf.nominal_peak(env["device_name"]):
+        return gf.nominal_peak(env["device_name"]), f"datasheet dense fp16 peak of {env['device_name']}"
+    size = 1024 if device == "cpu" else 8192
+    threads = f", {torch.get_num_threads()} thread(s)" if device == "cpu" else ""
+    return gc.large_gemm_rate(device, dtype, size), f"measured {size}^3 {str(dtype)[6:]} GEMM on this device{threads}"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    env = environment()
+    gpu = args.device != "cpu" and gpu_missing(env) is None
+    sizes = dict(SIZES[args.sizes or ("full" if gpu else "small")])
+    for key, value in (("budget_s", args.budget), ("seq_len", args.seq_len), ("max_slices", args.max_slices)):
+        if value is not None:
+            sizes[key] = value
+    out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", "" if gpu else "cpu")
+    os.makedirs(out_dir, exist_ok=True)
+    steps = engine_steps(env, args.device, sizes["steps"])
+    from deepspeed.accelerator import get_accelerator
+    calib = calibration(env, get_accelerator().device_name(0) if gpu else "cpu", sizes, args.compile)
+    import _gpu_report as gr
+    paper = gr.paper_table(calib["spec"], only_175b=args.paper == "175b")
+    multi = multi_gpu(env, args.device, out_dir)
+    result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start)
+    print(f"[gpu_check] written: {', '.join(result['files'])} ({time.perf_counter() - start:.1f} s)", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""benchmarks/gpu_check.py: its CPU path runs (calibration fitted, paper table written, GPU steps
+reported as skipped), the device fit recovers a known device, and the precision judge can fail.
+
+The CPU run uses small sizes (seq 256, 3 s of grid per block set, up to 8 slices, the 175B rows of
+the paper table): about 30 s on 2 shared cores.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out),
+                           "--seq_len", "256", "--budget", "3", "--max_slices", "8", "--paper", "175b"],
+                          cwd=ROOT, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "gpu_check.json", encoding="utf-8") as handle:
+        return out, json.load(handle), proc.stdout
+
+
+def test_calibration_fitted(cpu_run):
+    _, report, _ = cpu_run
+    fit, spec = report["calibration"]["fit"], report["calibration"]["spec"]
+    for value in (fit["rate_flops"], fit["peak_flops"], spec["achieved_fraction"]):
+        assert math.isfinite(value) and value > 0
+    assert math.isfinite(spec["half_efficiency_tokens"]) and spec["half_efficiency_tokens"] >= 0
+    assert math.isfinite(spec["kernel_overhead"]) and spec["kernel_overhead"] >= 0
+    assert fit["points"] >= 24
+    # an all-zero (failed) fit has relative error exactly 1; a fitted one explains most of the time
+    assert 0 <= fit["fit_error"]["rms"] < 0.9
+    assert fit["heldout_error"]["points"] > 0 and math.isfinite(fit["heldout_error"]["mean"])
+    for block_set in report["calibration"]["sets"]:
+        slicing = block_set["slicing"]
+        assert slicing["whole_hf_s"] > 0 and sorted(map(int, slicing["sliced_s"])) == [1, 2, 4, 8]
+
+
+def test_tables_and_plot_written(cpu_run):
+    out, report, _ = cpu_run
+    text = (out / "gpu_check.md").read_text()
+    assert "| model | seq | B | mp | K | V100 unsliced s" in text
+    rows = report["paper_table"]["rows"]
+    assert [r["setting"][0] for r in rows] == ["GPT3-175B", "GPT3-175B"]
+    assert all(math.isfinite(r["measured"]["speedup"]) and r["measured"]["speedup"] > 0 for r in rows)
+    assert "GPT3-175B (B 2, mp 8, K 48):" in report["paper_table"]["175b"]["text"]
+    assert report["environment"]["device_name"] in text  # every figure names its device
+    assert (out / "cost_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_steps_reported_skipped(cpu_run):
+    out, report, stdout = cpu_run
+    assert [s["status"] for s in report["steps"] + report["multi_gpu"]] == ["skipped"] * 4
+    assert all(s["why"] for s in report["steps"] + report["multi_gpu"])
+    assert len(report["skipped"]) == 4
+    assert stdout.count("SKIPPED") == 4 and "**skipped**" in (out / "gpu_check.md").read_text()
+
+
+def test_fit_recovers_a_known_device():
+    import _gpu_fit as gf
+
+    from tp_trainer.planner.analytic import V100_P3_16XLARGE
+    truth = dataclasses.replace(V100_P3_16XLARGE, achieved_fraction=0.4, half_efficiency_tokens=96,
+                                kernel_overhead=7e-6, hbm_bandwidth=500e9)
+    points = np.array([(1, l, c) for l in (8, 16, 32, 64, 128, 256, 512) for c in (0, 128, 512) if c + l <= 1024], float)
+    groups = [{"samples": points, "times": gf.predict(truth, points, h, heads), "hidden": h, "heads": heads}
+              for h, heads in ((768, 12), (1024, 16))]
+    spec, report = gf.fit_device(groups, truth.peak_flops, "synthetic")
+    assert report["n_half_tokens"] == 96
+    assert spec.achieved_fraction == pytest.approx(0.4, rel=1e-6)
+    assert spec.kernel_overhead == pytest.approx(7e-6, rel=1e-6)
+    assert spec.hbm_bandwidth == pytest.approx(500e9, rel=1e-6)
+    assert report["fit_error"]["max"] < 1e-9
+
+
+def _precision_result(**overflow):
+    base = {"param": "w", "loss": 1.0, "step_applied": False, "skipped_steps_delta": 1, "scale_before": 65536.0,
+            "scale_after": 32768.0, "weights_finite": True, "weights_unchanged": True, "recovery_loss": 1.0,
+            "recovery_applied": True, "weights_finite_after_recovery": True}
+    return {"losses": [2.0, 1.50], "device": "cuda:0", "overflow": {**base, **overflow}}
+
+
+@pytest.mark.parametrize("broken", [None, {"step_applied": True}, {"scale_after": 65536.0},
+                                    {"weights_finite": False}, {"weights_unchanged": False}, "loss"])
+def test_precision_judge_can_fail(broken):
+    import _gpu_steps as gs
+    fp32 = {"losses": [2.0, 1.50]}
+    result = _precision_result(**(broken if isinstance(broken, dict) else {}))
+    if broken == "loss":
+        result["losses"][-1] = 1.50 * 1.03  # 3% off fp32
+    verdict = gs.judge_precision("fp16", result, fp32)
+    assert verdict["status"] == ("passed" if broken is None else "failed")
