@@ -14,6 +14,7 @@ VOCAB = 64
 STEPS = 3
 EVAL_STEP = 99  # data seed of the batch evaluated after training
 SLICES = {"one": [16], "uniform4": "uniform:4", "uneven": [7, 5, 3, 1]}
+DTYPES = {"f64": torch.float64, "f32": torch.float32}  # every case runs in both (pipeline_harness)
 
 
 def cases(world: int) -> list[dict]:
@@ -21,11 +22,14 @@ def cases(world: int) -> list[dict]:
 
     1-3 ranks: pipeline only, every (microbatches, slices, tied) combination in gpipe order, plus
     the 1f1b order with 3 microbatches (its warm-up differs from gpipe only then).
-    4 ranks: 2 stages x 2 data-parallel replicas with ZeRO-1, both orders, uneven slices.
+    4 ranks: 2 stages x 2 data-parallel replicas with ZeRO-1, both orders, uneven slices, and
+    without ZeRO; fp32 only: DeepSpeed's data-parallel reduction refuses float64 gradients
+    ("unsupported grad type") and its ZeRO-1 optimizer keeps fp32 master weights.
     """
-    if world == 4:
-        return [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1)
-                for schedule, tied in itertools.product(("gpipe", "1f1b"), (True, False))]
+    if world == 4:  # DeepSpeed reduces data-parallel gradients in fp16 / bf16 / fp32 only
+        return [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1, dtypes=("f32",))
+                for schedule, tied in itertools.product(("gpipe", "1f1b"), (True, False))] + [
+                _case(2, 2, "uneven", True, "gpipe", replicas=2, zero=0, dtypes=("f32",))]
     stages, out = world, []
     for micro, slices, tied in itertools.product((1, 3), SLICES, (True, False)):
         out.append(_case(stages, micro, slices, tied, "gpipe"))
@@ -36,20 +40,22 @@ def cases(world: int) -> list[dict]:
     return out
 
 
-def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False):
+def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES)):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
     return {"name": base + ("-ckpt" if ckpt else ""), "same_as": base if ckpt else None,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
-            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt}
+            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes}
 
 
-def tiny_model(tied: bool, seed: int = 0) -> GPT2LMHeadModel:
+def tiny_model(tied: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
+    """The case's GPT-2 (3 layers x 32), initialised in fp32 from ``seed`` and then cast to ``dtype``:
+    the float64 and fp32 runs start from the same weights."""
     config = GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ_LEN,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
                         bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config).float()
+    return GPT2LMHeadModel(config).float().to(dtype)
 
 
 def batches(case: dict, step: int, replica: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -23,6 +23,7 @@ VOCAB = 64
 STEPS = 2
 EVAL_STEP = 99
 SLICES = [7, 5, 3, 1]
+DTYPES = {"f64": torch.float64, "f32": torch.float32}  # every case runs in both (pipeline_harness)
 # gradients that are zero in exact arithmetic: OPT's key bias adds q.b to every score of a query,
 # which softmax ignores (with rotary positions, as in Qwen2, the rotated bias differs per key)
 ZERO_GRADS = {"opt": ("k_proj.bias",)}
@@ -104,11 +105,12 @@ def write_checkpoints(root: str) -> None:
             tiny_model(case).save_pretrained(path)
 
 
-def load_model(case: dict, root: str):
-    """The case's checkpoint, loaded with from_pretrained in fp32 with its attention implementation."""
+def load_model(case: dict, root: str, dtype: torch.dtype = torch.float32):
+    """The case's checkpoint (saved in fp32), loaded with from_pretrained in ``dtype`` with its
+    attention implementation."""
     import transformers
     model_cls = getattr(transformers, FAMILIES[case["family"]][1])
-    return model_cls.from_pretrained(os.path.join(root, checkpoint_key(case)), dtype=torch.float32,
+    return model_cls.from_pretrained(os.path.join(root, checkpoint_key(case)), dtype=dtype,
                                      attn_implementation=case["impl"])
 
 
@@ -125,9 +127,10 @@ def ds_config(case: dict) -> dict:
 
 def main():
     stages, root, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    results = {case["name"]: ph.train_case(load_model(case, root), ds_config(case), batches, STEPS,
-                                           batches(EVAL_STEP))
-               for case in cases(stages)}
+    results = {f"{case['name']}@{key}": ph.train_case(load_model(case, root, dtype), ds_config(case),
+                                                      lambda step, replica: batches(step), STEPS,
+                                                      lambda replica: batches(EVAL_STEP))
+               for case in cases(stages) for key, dtype in DTYPES.items()}
     ph.save_rank(results, out_dir)
 
 

@@ -3,10 +3,24 @@
 Worker side (one rank of a ``multirank.run_ranks`` launch): ``ds_config`` and ``train_case`` train
 one case through ``tp_trainer.initialize`` and return this stage's results keyed by HF parameter
 names. Test side: ``merge_ranks`` joins the ranks' results, ``reference`` trains the plain HF model
-in one process the same way, ``compare`` measures and checks the differences.
+in one process the same way, ``check_float64`` / ``check_float32`` measure and check the differences.
 
-Bounds (fp32, dropout 0): loss 1e-6 relative; every gradient (before clipping, step 0) and every
-parameter after the last step within 1e-5 of max |reference| of that tensor; the eval loss 1e-5.
+Why two checks (issue 11): fp32 rounding depends on the CPU's vector kernels (ATen's
+``ATEN_CPU_CAPABILITY``, MKL's GEMM dispatch), and AdamW turns the rounding of tiny gradients into
+full-size updates. A fixed fp32 bound is therefore a bound on one machine's kernels, not on the
+engine. So:
+
+1. float64 end to end (model, transfers, reductions, clipping, AdamW): the pipeline must equal the
+   float64 HF run to near float64's precision (``F64_TOL``: loss 1e-12, gradients and parameters
+   1e-9 relative). This is the check that catches real bugs (see test_mutations.py).
+2. fp32: the pipeline's distance from the float64 HF run may be at most ``NOISE_FACTOR`` times the
+   fp32 HF run's own distance from it (or ``NOISE_FLOOR``, whichever is larger): "as close to the
+   exact answer as fp32 itself gets", on whatever CPU runs it.
+
+Distances: loss |a - b| / |b| per step; a tensor max |a - b| / max |b| (b = float64 reference),
+except gradients that are zero in exact arithmetic (``zero_grads``, e.g. OPT's key bias: softmax
+ignores a constant added to every score of a query), which are measured against the model's
+largest gradient instead, since their own size is rounding noise.
 """
 
 from __future__ import annotations
@@ -17,15 +31,24 @@ import torch
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
-# Adam divides by sqrt(v) + eps: a gradient that is zero in exact arithmetic (e.g. the key bias:
-# softmax ignores a constant added to every key) is float noise of ~1e-9 in both runs, and with a
-# tiny eps its update is +-lr whatever the noise (measured: eps 1e-8 -> params differ by 0.2 lr).
-# The update of such an element is ~lr * noise / eps; eps = 1e-5 keeps it 10x under the 1e-5 bound
-# (measured 1.1e-5 relative with eps 1e-6 on the zero-initialised c_attn bias).
+# Adam divides by sqrt(v) + eps: an element whose gradient is rounding noise (~1e-9) moves by
+# ~lr * noise / eps; with the default eps 1e-8 that is +-lr whatever the noise, in every run, and
+# the fp32 check's bound for that tensor becomes lr-sized. eps = 1e-5 keeps such updates at the
+# noise level, so the fp32 check stays meaningful for every parameter.
 ADAM_EPS = 1e-5
 CLIP = 1.0  # DeepSpeed's default gradient_clipping; the global norm spans every stage
 
-LOSS_TOL, GRAD_TOL, PARAM_TOL, EVAL_TOL = 1e-6, 1e-5, 1e-5, 1e-5
+# float64 end to end. HF's eager attention takes its softmax in fp32 even in a float64 model
+# (GPT-Neo also q k^T): such cases pass ``tol=F64_EAGER_TOL``.
+F64_TOL = {"loss": 1e-12, "grad": 1e-9, "param": 1e-9, "eval": 1e-12}
+F64_EAGER_TOL = {"loss": 1e-6, "grad": 1e-5, "param": 1e-5, "eval": 1e-6}
+# fp32 against the float64 reference: at most NOISE_FACTOR x the fp32 HF run's own distance, with
+# a floor of a few fp32 ulps (a tensor that the fp32 HF run happens to get almost exactly right
+# must not demand the same luck from a different summation order).
+NOISE_FACTOR = 10.0
+NOISE_FLOOR = {"loss": 1e-7, "grad": 1e-6, "param": 1e-6, "eval": 1e-7}
+# the loss that train_batch returns is DeepSpeed's fp32 broadcast of the last stage's loss
+REPORTED_LOSS_TOL = 2.0 ** -23
 
 
 def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, slices, schedule: str = "gpipe",
@@ -45,13 +68,14 @@ def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, sl
 
 
 def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> dict:
-    """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step)`` gives the step's
-    microbatches [(input_ids, labels), ...] of this replica.
+    """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step, replica)`` gives the
+    step's microbatches [(input_ids, labels), ...] of a data-parallel replica, ``eval_batches(replica)``
+    those evaluated after training.
 
-    Returns the losses of each step, this stage's gradients of step 0 (captured just before the
-    optimizer step, i.e. after the tied / data-parallel reductions, before clipping), its
-    parameters after the last step and the eval loss of ``eval_batches`` (if given), all keyed by
-    HF parameter names.
+    Returns, keyed by HF parameter names: this stage's gradients of step 0 as this replica has them
+    before the data-parallel reduction (after the tied-weight one, before clipping), its parameters
+    after the last step, the losses train_batch returned, the last stage's own loss of each step in
+    the model's dtype (``exact_losses``: DeepSpeed broadcasts the loss in fp32), the eval loss.
     """
     from tp_trainer.initialize import initialize
     from tp_trainer.model.pipeline import hf_named_parameters
@@ -59,18 +83,29 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> d
     engine, *_ = initialize(model, config)
     named = hf_named_parameters(engine.module)
     grads = {}
-    step_fn = engine._exec_optimizer_step
 
-    def capture_then_step(*args, **kwargs):
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
-        step_fn(*args, **kwargs)
+    def capture_before(method):
+        """Step 0's gradients just before ``method``: the data-parallel reduction (ZeRO-1 moves
+        gradients into its partitions there) or, with one replica (the engine skips that
+        reduction), the optimizer step."""
+        def run(*args, **kwargs):
+            if not grads:
+                grads.update({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+            return method(*args, **kwargs)
+        return run
 
-    engine._exec_optimizer_step = capture_then_step
-    losses = [float(engine.train_batch(iter(batches(step)))) for step in range(steps)]
+    engine._exec_reduce_grads = capture_before(engine._exec_reduce_grads)
+    engine._exec_optimizer_step = capture_before(engine._exec_optimizer_step)
+    replica = engine.grid.data_parallel_id
+    losses, exact_losses = [], []
+    for step in range(steps):
+        losses.append(float(engine.train_batch(iter(batches(step, replica)))))
+        if engine.is_last_stage():  # this replica's mean loss, before DeepSpeed's fp32 broadcast
+            exact_losses.append(float(engine.dp_group_loss))
     params = {n: p.detach().clone() for n, p in named.items()}
-    eval_loss = float(engine.eval_batch(iter(eval_batches))) if eval_batches is not None else None
-    return {"losses": losses, "grads": grads, "params": params, "stage": engine.stage_id, "eval": eval_loss}
+    eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
+    return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
+            "stage": engine.stage_id, "eval": eval_loss, "replica": replica}
 
 
 def save_rank(results: dict, out_dir: str) -> None:
@@ -81,21 +116,38 @@ def merge_ranks(out_dir, world: int) -> dict:
     """{case name: {"losses", "eval", "grads", "params"}} merged over the ranks' ``save_rank`` files.
 
     Every rank must report the same losses; a parameter held by two ranks (tied weights,
-    data-parallel replicas) must agree across them.
+    data-parallel replicas) must agree across them. Gradients are averaged over the replicas
+    (what DeepSpeed's data-parallel reduction computes); ``losses`` are the last stages' own
+    losses averaged over the replicas, after checking what train_batch reported against them.
     """
     merged = {}
     for rank in range(world):
         for name, result in torch.load(os.path.join(out_dir, f"rank{rank}.pt")).items():
-            entry = merged.setdefault(name, {"losses": result["losses"], "eval": result["eval"],
+            entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
                                              "grads": {}, "params": {}})
-            assert entry["losses"] == result["losses"], f"{name}: stages disagree on the loss"
+            # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
+            assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
+                       zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"
             assert entry["eval"] == result["eval"], f"{name}: stages disagree on the eval loss"
-            for kind in ("grads", "params"):
-                for hf_name, tensor in result[kind].items():
-                    if hf_name in entry[kind]:
-                        assert relative(tensor, entry[kind][hf_name]) <= 1e-6, f"{name}: copies of {hf_name}"
-                    entry[kind][hf_name] = tensor
-    return merged
+            if result["exact_losses"] is not None:
+                entry["exact"][result["replica"]] = result["exact_losses"]
+            for hf_name, tensor in result["params"].items():
+                if hf_name in entry["params"]:
+                    assert relative(tensor, entry["params"][hf_name]) <= 1e-6, f"{name}: copies of {hf_name}"
+                entry["params"][hf_name] = tensor
+            for hf_name, tensor in result["grads"].items():
+                entry["grads"].setdefault(hf_name, {})[result["replica"]] = tensor
+    return {name: _finish_merge(name, entry) for name, entry in merged.items()}
+
+
+def _finish_merge(name: str, entry: dict) -> dict:
+    exact = torch.tensor(list(entry.pop("exact").values()), dtype=torch.float64).mean(0).tolist()
+    for step, (reported, mine) in enumerate(zip(entry.pop("reported"), exact, strict=True)):
+        assert abs(reported - mine) <= REPORTED_LOSS_TOL * abs(mine), (
+            f"{name} step {step}: train_batch returned {reported}, the last stage computed {mine}")
+    entry["losses"] = exact
+    entry["grads"] = {n: torch.stack(list(r.values())).mean(0) for n, r in entry["grads"].items()}
+    return entry
 
 
 def hf_loss(model, micro_batches) -> torch.Tensor:
@@ -130,42 +182,65 @@ def reference(model, batches, steps: int, eval_batches=None) -> dict:
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|."""
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    """max |a - b| / max |b| (computed in float64)."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
-def compare(got: dict, ref: dict, zero_grads: tuple[str, ...] = ()) -> dict:
-    """Check a merged pipeline result against ``reference``; return the largest differences.
+def distances(got: dict, exact: dict, zero_grads: tuple[str, ...] = ()) -> dict:
+    """{kind: {key: distance}} of a result from the float64 reference ``exact`` (module docstring).
 
-    ``zero_grads``: name suffixes of parameters whose gradient is zero in exact arithmetic (e.g. a
-    key bias: softmax ignores a constant added to every score of a query). Their gradients are
-    float noise in both runs, so a ratio to max |reference| means nothing; they must instead be
-    within GRAD_TOL of the model's largest gradient, as must their difference.
+    Also checks the structure: the same steps, every HF parameter covered once.
     """
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0}
-    for step, (mine, theirs) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-        diff = abs(mine - theirs) / abs(theirs)
-        assert diff <= LOSS_TOL, f"step {step}: loss {mine} != HF {theirs}"
-        worst["loss"] = max(worst["loss"], diff)
-    assert set(got["grads"]) == set(ref["grads"]), (
-        f"pipeline stages must cover every HF parameter once: missing {set(ref['grads']) - set(got['grads'])}, "
-        f"extra {set(got['grads']) - set(ref['grads'])}")
-    scale = max(float(g.abs().max()) for g in ref["grads"].values())
-    for name, theirs in ref["grads"].items():
-        mine = got["grads"][name]
+    assert len(got["losses"]) == len(exact["losses"]), f"{len(got['losses'])} losses, expected {len(exact['losses'])}"
+    assert set(got["grads"]) == set(exact["grads"]), (
+        f"pipeline stages must cover every HF parameter once: missing {set(exact['grads']) - set(got['grads'])}, "
+        f"extra {set(got['grads']) - set(exact['grads'])}")
+    out = {"loss": {step: abs(mine - theirs) / abs(theirs)
+                    for step, (mine, theirs) in enumerate(zip(got["losses"], exact["losses"], strict=True))},
+           "grad": {}, "param": {}, "eval": {}}
+    scale = max(float(g.abs().max()) for g in exact["grads"].values())
+    for name, theirs in exact["grads"].items():
+        mine = got["grads"][name].double()
         if name.endswith(zero_grads):
-            assert float(theirs.abs().max()) <= GRAD_TOL * scale, f"{name}: expected a zero gradient"
-            diff = float((mine - theirs).abs().max()) / scale
+            assert float(theirs.abs().max()) <= 1e-9 * scale, f"{name}: expected a zero gradient"
+            out["grad"][name] = float((mine - theirs).abs().max()) / scale
         else:
-            diff = relative(mine, theirs)
-        assert diff <= GRAD_TOL, f"gradient of {name}: {diff:.3g}"
-        worst["grad"] = max(worst["grad"], diff)
-    for name, theirs in ref["params"].items():
-        diff = relative(got["params"][name], theirs)
-        assert diff <= PARAM_TOL, f"parameter {name} after {len(ref['losses'])} steps: {diff:.3g}"
-        worst["param"] = max(worst["param"], diff)
-    if ref["eval"] is not None:
-        diff = abs(got["eval"] - ref["eval"]) / abs(ref["eval"])
-        assert diff <= EVAL_TOL, f"eval loss {got['eval']} != HF {ref['eval']}"
-        worst["eval"] = diff
+            out["grad"][name] = relative(mine, theirs)
+    out["param"] = {name: relative(got["params"][name], theirs) for name, theirs in exact["params"].items()}
+    if exact["eval"] is not None:
+        out["eval"]["eval"] = abs(got["eval"] - exact["eval"]) / abs(exact["eval"])
+    return out
+
+
+def _describe(kind: str, key) -> str:
+    return {"loss": f"loss of step {key}", "grad": f"gradient of {key}", "param": f"parameter {key} after the steps",
+            "eval": "eval loss"}[kind]
+
+
+def check_float64(got: dict, exact: dict, zero_grads: tuple[str, ...] = (), tol: dict = F64_TOL) -> dict:
+    """A float64 pipeline run against the float64 HF run: every distance within ``tol``.
+    Returns the largest distance of each kind."""
+    worst = {}
+    for kind, values in distances(got, exact, zero_grads).items():
+        for key, value in values.items():
+            assert value <= tol[kind], f"float64: {_describe(kind, key)} differs by {value:.3g} > {tol[kind]:.0e}"
+        worst[kind] = max(values.values(), default=0.0)
+    return worst
+
+
+def check_float32(got: dict, fp32_hf: dict, exact: dict, zero_grads: tuple[str, ...] = ()) -> dict:
+    """An fp32 pipeline run against the float64 HF run ``exact``, allowing what fp32 itself gets
+    wrong: distance <= NOISE_FACTOR x max(the fp32 HF run's distance, NOISE_FLOOR).
+    Returns the largest ratio distance / allowance of each kind (<= 1 passes)."""
+    mine, baseline = distances(got, exact, zero_grads), distances(fp32_hf, exact, zero_grads)
+    worst = {}
+    for kind, values in mine.items():
+        ratios = {}
+        for key, value in values.items():
+            allowed = NOISE_FACTOR * max(baseline[kind][key], NOISE_FLOOR[kind])
+            assert value <= allowed, (f"fp32: {_describe(kind, key)} is {value:.3g} from the float64 HF run; "
+                                      f"the fp32 HF run is {baseline[kind][key]:.3g} from it (allowed {allowed:.3g})")
+            ratios[key] = value / allowed
+        worst[kind] = max(ratios.values(), default=0.0)
     return worst

@@ -1,0 +1,105 @@
+"""One rank of the mutation test: the float64 exactness case trained once with the real engine and
+once per mutation, a deliberate bug patched into this process (test_mutations.py checks that
+pipeline_harness.check_float64 passes the first and fails every other).
+
+Usage: mutation_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import exactness_cases as ec  # noqa: E402
+import pipeline_harness as harness  # noqa: E402
+
+from tp_trainer import engine as engine_module  # noqa: E402
+from tp_trainer.engine import TeraPipeEngine  # noqa: E402
+from tp_trainer.model.layers import SliceContext  # noqa: E402
+from tp_trainer.model.slice_cache import _AppendKV  # noqa: E402
+
+# 2 stages, tied head, 2 microbatches, slices [7, 5, 3, 1] (offsets 0, 7, 12, 15)
+CASE = ec._case(2, 2, "uneven", True, "gpipe")
+SECOND_SLICE_START, LAST_SLICE_START = 7, 15
+
+
+def _drop_kv_grad():
+    """Slice 1's attention loses the gradient it sends into slice 0's keys / values."""
+    backward = _AppendKV.backward
+
+    def dropped(ctx, grad_keys, grad_values):
+        if ctx.start == SECOND_SLICE_START:
+            grad_keys, grad_values = grad_keys.clone(), grad_values.clone()
+            grad_keys[:, :, :ctx.start] = 0
+            grad_values[:, :, :ctx.start] = 0
+        return backward(ctx, grad_keys, grad_values)
+    return mock.patch.object(_AppendKV, "backward", staticmethod(dropped))
+
+
+def _shift_positions():
+    """Slice 1's position ids start one too late."""
+    def positions(self, device):
+        shift = int(self.start == SECOND_SLICE_START)
+        return torch.arange(self.start + shift, self.start + self.length + shift, device=device)[None]
+    return mock.patch.object(SliceContext, "positions", positions)
+
+
+def _skip_tied_reduce():
+    """The tied embedding / head gradients are not summed across the stages holding them."""
+    return mock.patch.object(TeraPipeEngine, "_exec_reduce_tied_grads", lambda self: None)
+
+
+def _scale_slice_loss():
+    """The loss of the 3-token slice is weighted 1% too high."""
+    slice_loss = engine_module.slice_loss
+
+    def scaled(logits, labels, tokens):
+        loss = slice_loss(logits, labels, tokens)
+        return loss * 1.01 if labels.shape[1] == 3 else loss
+    return mock.patch.object(engine_module, "slice_loss", scaled)
+
+
+def _wrong_last_slice():
+    """The last slice is scored against the labels of a window one token too early."""
+    load = TeraPipeEngine._exec_load_slice
+
+    def shifted(self, cmd):
+        batch = self._batches.get(cmd.microbatch)  # loaded by slice 0; the last slice's load drops it
+        load(self, cmd)
+        if self.is_last_stage() and cmd.slice == self.plan.num_slices - 1:
+            self._labels[(cmd.microbatch, cmd.slice)] = batch[1][:, LAST_SLICE_START - 1:LAST_SLICE_START]
+    return mock.patch.object(TeraPipeEngine, "_exec_load_slice", shifted)
+
+
+def _clip_per_stage():
+    """Each stage clips its gradients by its own norm, not the whole model's (DeepSpeed's fp32 path)."""
+    return mock.patch.object(TeraPipeEngine, "clip_fp32_gradients",
+                             lambda self: torch.nn.utils.clip_grad_norm_(
+                                 [p for p in self.module.parameters() if p.grad is not None],
+                                 self.gradient_clipping()))
+
+
+MUTATIONS = {"none": contextlib.nullcontext, "drop_kv_grad": _drop_kv_grad, "shift_positions": _shift_positions,
+             "skip_tied_reduce": _skip_tied_reduce, "scale_slice_loss": _scale_slice_loss,
+             "wrong_last_slice": _wrong_last_slice, "clip_per_stage": _clip_per_stage}
+
+
+def main():
+    out_dir = sys.argv[1]
+    results = {}
+    for name, mutation in MUTATIONS.items():
+        with mutation():
+            results[name] = harness.train_case(
+                ec.tiny_model(CASE["tied"], dtype=torch.float64), ec.ds_config(CASE),
+                lambda step, replica: ec.batches(CASE, step, replica), ec.STEPS,
+                lambda replica: ec.batches(CASE, ec.EVAL_STEP, replica))
+    harness.save_rank(results, out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The exactness check can fail: the float64 check of pipeline_harness passes the real engine and
+fails each deliberately broken one (mutation_worker.py: a dropped K/V gradient, shifted position
+ids, a skipped tied-weight reduction, a mis-weighted slice loss, the last slice scored against the
+wrong labels, clipping by each stage's own norm). One launch of 2 ranks trains them all.
+"""
+
+import os
+
+import exactness_cases as ec
+import mutation_worker as mw
+import pipeline_harness as harness
+import pytest
+import torch
+from multirank import run_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "mutation_worker.py")
+
+
+@pytest.fixture(scope="module")
+def mutated(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("mutations")
+    run_ranks(WORKER, 2, [str(out_dir)], timeout=600)
+    return harness.merge_ranks(out_dir, 2)
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return harness.reference(ec.tiny_model(mw.CASE["tied"], dtype=torch.float64),
+                             lambda step: ec.batches(mw.CASE, step), ec.STEPS, ec.batches(mw.CASE, ec.EVAL_STEP))
+
+
+def test_real_engine_passes(mutated, exact):
+    harness.check_float64(mutated["none"], exact)
+
+
+@pytest.mark.parametrize("mutation", [m for m in mw.MUTATIONS if m != "none"])
+def test_mutation_fails(mutated, exact, mutation):
+    with pytest.raises(AssertionError) as failure:
+        harness.check_float64(mutated[mutation], exact)
+    print(f"{mutation}: {failure.value}")
