@@ -90,19 +90,21 @@ def gather_cost(module, stages: int, stage_id: int, hidden: int, seq_len: int, b
 def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: int | None = None,
               granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
               schedule: str = "gpipe", save_dir: str | None = None, stage_id: int | None = None,
-              hidden: int | None = None, slice_context=None) -> tuple[PlannedBatch, str]:
+              hidden: int | None = None, slice_context=None, cost: PipelineCost | None = None
+              ) -> tuple[PlannedBatch, str]:
     """The full form: (plan, report). ``batch`` = sequences per step per replica;
     ``microbatch_size`` fixes b (None: the DP also chooses the equal split of the batch).
 
+    ``cost``: a cost model already read (the run's checks read ``cost_model_path`` once).
     ``cost_model_path``: read if it exists (no profiling), else written after profiling.
     ``save_dir``: rank 0 writes ``plan.json`` and ``plan.txt`` there.
     """
     rank, _ = _dist()
     stage_id = module.stage_id if stage_id is None else stage_id
     hidden = hidden or _hidden(module)
-    if cost_model_path and os.path.isfile(cost_model_path):
+    if cost is None and cost_model_path and os.path.isfile(cost_model_path):
         cost = PipelineCost.load(cost_model_path)
-    else:
+    if cost is None:
         sizes = [microbatch_size] if microbatch_size else _divisors(batch)
         cost = gather_cost(module, stages, stage_id, hidden, seq_len, sizes, granularity, time_budget_s,
                            slice_context)
