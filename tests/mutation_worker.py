@@ -22,6 +22,7 @@ from tp_trainer import engine as engine_module  # noqa: E402
 from tp_trainer.engine import TeraPipeEngine  # noqa: E402
 from tp_trainer.model.layers import SliceContext  # noqa: E402
 from tp_trainer.model.slice_cache import _AppendKV  # noqa: E402
+from tp_trainer.schedule import LoadSlice  # noqa: E402
 
 # 2 stages, tied head, 2 microbatches, slices [7, 5, 3, 1] (offsets 0, 7, 12, 15)
 CASE = ec._case(2, 2, "uneven", True, "gpipe")
@@ -66,14 +67,14 @@ def _scale_slice_loss():
 
 def _wrong_last_slice():
     """The last slice is scored against the labels of a window one token too early."""
-    load = TeraPipeEngine._exec_load_slice
+    load = TeraPipeEngine._DISPATCH[LoadSlice]
 
     def shifted(self, cmd):
         batch = self._batches.get(cmd.microbatch)  # loaded by slice 0; the last slice's load drops it
         load(self, cmd)
         if self.is_last_stage() and cmd.slice == self.plan.num_slices - 1:
             self._labels[(cmd.microbatch, cmd.slice)] = batch[1][:, LAST_SLICE_START - 1:LAST_SLICE_START]
-    return mock.patch.object(TeraPipeEngine, "_exec_load_slice", shifted)
+    return mock.patch.dict(TeraPipeEngine._DISPATCH, {LoadSlice: shifted})  # the engine's dispatch table
 
 
 def _clip_per_stage():

@@ -112,7 +112,7 @@ def save_rank(results: dict, out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
-def merge_ranks(out_dir, world: int) -> dict:
+def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
     """{case name: {"losses", "eval", "grads", "params"}} merged over the ranks' ``save_rank`` files.
 
     Every rank must report the same losses; a parameter held by two ranks (tied weights,
@@ -123,6 +123,8 @@ def merge_ranks(out_dir, world: int) -> dict:
     merged = {}
     for rank in range(world):
         for name, result in torch.load(os.path.join(out_dir, f"rank{rank}.pt")).items():
+            if only is not None and name != only:  # merge that case alone
+                continue
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
                                              "grads": {}, "params": {}})
             # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
