@@ -1,4 +1,4 @@
-"""Step 5 of gpu_check.py: fit the analytic device model (planner/analytic.py) to measured block costs.
+"""Step 5 of gpu_check.py: fit the analytic device model (planner/analytic.py) to measurements.
 
 The analytic model prices one GPT block (mp = 1, forward + backward = 3 x forward) as
 
@@ -8,13 +8,18 @@ G: the block's GEMM FLOPs, each GEMM inflated by (n + n_1/2) / n for its n rows 
 half-performance length); H: its elementwise HBM bytes (score tensor, per-token traffic, counted
 in fp16 as the model does); ``kernels`` (20) launches of fixed cost o. The three bases are taken
 from ``analytic.layer_coefficients`` itself (with unit rates), so the fit and the paper-scale
-simulation share one formula. For each n_1/2 on a log grid, (1/R, 1/W, o) is a non-negative
-least-squares fit in relative error (``cost_model.nnls``); the n_1/2 with the smallest error wins.
-The grid stops at the longest slice measured: a larger n_1/2 only turns the GEMM term into a fixed
-cost, which the data cannot tell from the launch term (and the fit would then trade the GEMM rate
-for it). n_1/2 and the per-kernel overhead are told apart by how they scale: the n_1/2 term grows
-with h^2 and with the context, the launch term with neither, so block sets of two widths help.
-R / peak is the achieved fraction. Held-out error: fit on 3/4 of the points, predict the rest.
+simulation share one formula.
+
+Two stages, because fitted all at once these terms trade against each other (a large n_1/2 is a
+fixed cost like o; the attention GEMMs and the score bytes both grow as l (c + l)):
+1. ``fit_gemm``: the block's own dense GEMMs alone (QKV, output projection, MLP up and down;
+   forward + backward = 72 n h^2 FLOPs for n tokens), timed over n: t(n) = 72 h^2 (n + n_1/2) / R,
+   a straight line in n whose slope gives R and whose intercept gives n_1/2 (least squares in
+   relative error, over every width measured). R / peak is the achieved fraction.
+2. ``fit_device``: with R and n_1/2 fixed, (1/W, o) by non-negative least squares in relative error
+   (``cost_model.nnls``) on the whole blocks' forward + backward times over the planner's grid.
+The error reported is that of the whole model on the block times; held-out: stage 2 fitted on 3/4
+of the points, the rest predicted.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from tp_trainer.planner.analytic import V100_P3_16XLARGE, DeviceSpec, layer_coef
 from tp_trainer.planner.cost_model import features, nnls
 
 INF = float("inf")
-N_HALF_GRID = tuple(sorted({0.0, *(2.0 ** k for k in range(0, 13)), *(1.5 * 2.0 ** k for k in range(0, 12))}))
 # datasheet dense fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
 NOMINAL_FP16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "V100": 125e12, "L40S": 362e12,
                      "A10G": 70e12, "L4": 121e12, "T4": 65e12}
@@ -52,57 +56,62 @@ def bases(samples: np.ndarray, hidden: int, heads: int, n_half: float) -> np.nda
     return np.stack(columns, axis=1)
 
 
-def _solve(basis: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(coefficients (3,), relative residuals (N,)) of the NNLS fit in relative error."""
-    weight = 1.0 / times
-    coef = nnls(basis * weight[:, None], np.ones_like(times))
-    return coef, (basis @ coef - times) / times
+def gemm_flops(hidden: int, tokens) -> np.ndarray:
+    """Forward + backward FLOPs of a block's four dense GEMMs on ``tokens`` rows: 3 x 24 n h^2."""
+    return 72.0 * hidden ** 2 * np.asarray(tokens, float)
+
+
+def fit_gemm(sweeps: list[dict]) -> dict:
+    """R and n_1/2 from sweeps [{"hidden", "tokens": (N,), "times": (N,)}]: t = 72 h^2 (n + n_1/2) / R."""
+    rows = np.concatenate([np.stack([gemm_flops(s["hidden"], s["tokens"]), gemm_flops(s["hidden"], 1.0)
+                                     * np.ones(len(s["tokens"]))], 1) for s in sweeps])
+    times = np.concatenate([np.asarray(s["times"], float) for s in sweeps])
+    inv_rate, half_over_rate = nnls(rows / times[:, None], np.ones_like(times))
+    resid = (rows @ np.array([inv_rate, half_over_rate]) - times) / times
+    rate = 1.0 / inv_rate if inv_rate > 0 else INF
+    return {"rate_flops": rate, "n_half_tokens": half_over_rate / inv_rate if inv_rate > 0 else INF,
+            "error": {"rms": float(np.sqrt(np.mean(resid ** 2))), "max": float(np.max(np.abs(resid)))},
+            "points": int(len(times))}
 
 
 def _stacked(groups, n_half: float) -> np.ndarray:
     return np.concatenate([bases(np.asarray(g["samples"], float), g["hidden"], g["heads"], n_half) for g in groups])
 
 
-def fit_device(groups: list[dict], peak_flops: float, name: str,
-               base: DeviceSpec = V100_P3_16XLARGE) -> tuple[DeviceSpec, dict]:
-    """(DeviceSpec with the fitted compute terms, fit report) from block sets measured on one device.
+def _solve_rest(basis: np.ndarray, times: np.ndarray, rate: float) -> tuple[np.ndarray, np.ndarray]:
+    """(1/W, o) with the GEMM term fixed at rate R; relative residuals of the whole model."""
+    gemm = basis[:, 0] / rate
+    weight = 1.0 / times
+    coef = nnls(basis[:, 1:] * weight[:, None], 1.0 - gemm * weight)
+    return coef, (gemm + basis[:, 1:] @ coef - times) / times
 
-    ``groups``: [{"samples": (N, 3) = (b, l, c), "times": forward + backward s per block (N,),
-    "hidden", "heads"}]; one device model fits all of them. Links, nodes and the optimizer term
-    stay ``base``'s (one machine cannot measure a cluster's network).
-    """
+
+def fit_device(groups: list[dict], gemm: dict, peak_flops: float, name: str,
+               base: DeviceSpec = V100_P3_16XLARGE) -> tuple[DeviceSpec, dict]:
+    """(DeviceSpec with the fitted compute terms, fit report) from ``fit_gemm``'s R, n_1/2 and block
+    sets measured on one device: ``groups`` [{"samples": (N, 3) = (b, l, c), "times": forward +
+    backward s per block (N,), "hidden", "heads"}]. Links, nodes and the optimizer term stay
+    ``base``'s (one machine cannot measure a cluster's network)."""
+    rate, n_half = gemm["rate_flops"], gemm["n_half_tokens"]
     times = np.concatenate([np.asarray(g["times"], float) for g in groups])
-    longest = max(float(np.max(np.asarray(g["samples"], float)[:, 1])) for g in groups)
-    trials = []
-    for n_half in (n for n in N_HALF_GRID if n <= longest):
-        coef, resid = _solve(_stacked(groups, n_half), times)
-        trials.append((float(np.sqrt(np.mean(resid ** 2))), n_half, coef, resid))
-    rms, n_half, coef, resid = min(trials, key=lambda t: t[0])
-    inv_rate, inv_bandwidth, overhead = (float(x) for x in coef)
-    rate = 1.0 / inv_rate if inv_rate > 0 else INF
+    basis = _stacked(groups, n_half)
+    (inv_bandwidth, overhead), resid = _solve_rest(basis, times, rate)
     bandwidth = 1.0 / inv_bandwidth if inv_bandwidth > 0 else INF
     spec = dataclasses.replace(base, name=name, peak_flops=peak_flops, achieved_fraction=rate / peak_flops,
-                               half_efficiency_tokens=n_half, kernel_overhead=overhead,
+                               half_efficiency_tokens=n_half, kernel_overhead=float(overhead),
                                hbm_bandwidth=bandwidth if math.isfinite(bandwidth) else 1e18)
+    test = np.arange(len(times)) % 4 == 2
+    coef, _ = _solve_rest(basis[~test], times[~test], rate)
+    held = np.abs(basis[test, 0] / rate + basis[test, 1:] @ coef - times[test]) / times[test]
     report = {"rate_flops": rate, "peak_flops": peak_flops, "achieved_fraction": rate / peak_flops,
-              "n_half_tokens": n_half, "kernel_overhead_s": overhead, "fixed_per_block_s": overhead * 3.0 * base.kernels,
-              "hbm_bandwidth": bandwidth if math.isfinite(bandwidth) else None,
-              "hbm_resolved": math.isfinite(bandwidth),
-              "fit_error": {"rms": rms, "mean": float(np.mean(np.abs(resid))), "max": float(np.max(np.abs(resid)))},
-              "heldout_error": heldout(groups, times, n_half),
-              "n_half_curve": [(t[1], t[0]) for t in trials], "points": int(len(times))}
+              "n_half_tokens": n_half, "gemm_fit": gemm, "kernel_overhead_s": float(overhead),
+              "fixed_per_block_s": float(overhead) * 3.0 * base.kernels,
+              "hbm_bandwidth": bandwidth if math.isfinite(bandwidth) else None, "hbm_resolved": math.isfinite(bandwidth),
+              "fit_error": {"rms": float(np.sqrt(np.mean(resid ** 2))), "mean": float(np.mean(np.abs(resid))),
+                            "max": float(np.max(np.abs(resid)))},
+              "heldout_error": {"mean": float(held.mean()), "max": float(held.max()), "points": int(test.sum())},
+              "points": int(len(times))}
     return spec, report
-
-
-def heldout(groups, times: np.ndarray, n_half: float, every: int = 4) -> dict:
-    """Fit (1/R, 1/W, o) at ``n_half`` on all but every 4th point, predict those: mean / max rel. error."""
-    test = np.arange(len(times)) % every == every // 2
-    if test.sum() == 0 or (~test).sum() < 4:
-        return {"mean": float("nan"), "max": float("nan"), "points": 0}
-    basis = _stacked(groups, n_half)
-    coef, _ = _solve(basis[~test], times[~test])
-    rel = np.abs(basis[test] @ coef - times[test]) / times[test]
-    return {"mean": float(rel.mean()), "max": float(rel.max()), "points": int(test.sum())}
 
 
 def predict(spec: DeviceSpec, samples, hidden: int, heads: int) -> np.ndarray:
@@ -117,9 +126,11 @@ def describe(spec: DeviceSpec, report: dict) -> str:
     err, held = report["fit_error"], report["heldout_error"]
     bandwidth = (f"{report['hbm_bandwidth'] / 1e9:.1f} GB/s effective (fp16-counted bytes)" if report["hbm_resolved"]
                  else "not resolved (the fit gives the elementwise term no weight)")
-    return (f"Fitted to {report['points']} points of {spec.name}: sustained GEMM rate "
-            f"{report['rate_flops'] / 1e9:.1f} GFLOP/s = **{report['achieved_fraction']:.3f} of the peak** "
-            f"{report['peak_flops'] / 1e9:.1f} GFLOP/s; **n_1/2 = {report['n_half_tokens']:.0f} tokens**; "
+    gemm = report["gemm_fit"]
+    return (f"{spec.name}: the blocks' dense GEMMs alone ({gemm['points']} points, line fit error rms "
+            f"{100 * gemm['error']['rms']:.1f}%) sustain {report['rate_flops'] / 1e9:.1f} GFLOP/s = "
+            f"**{report['achieved_fraction']:.3f} of the peak** {report['peak_flops'] / 1e9:.1f} GFLOP/s, with "
+            f"**n_1/2 = {report['n_half_tokens']:.0f} tokens**; fitted then to {report['points']} block points: "
             f"**per-kernel overhead {report['kernel_overhead_s'] * 1e6:.1f} us** ({spec.kernels} kernels per block "
             f"forward, 2x backward); HBM {bandwidth}. Fit error (relative, forward + backward): rms "
             f"{100 * err['rms']:.1f}%, mean {100 * err['mean']:.1f}%, max {100 * err['max']:.1f}%; held-out "

@@ -117,6 +117,7 @@ def plot(path: str, calib: dict, device_name: str) -> None:
     (points) and the fitted analytic model (lines). Right: one sequence's time by slice count,
     relative to the plain HF blocks on the whole sequence."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -145,6 +146,8 @@ def plot(path: str, calib: dict, device_name: str) -> None:
     right.set(xscale="log", xlabel="uniform slices per sequence", ylabel="time / whole sequence (plain HF)",
               title=f"slicing overhead, seq {seq}, on {device_name}")
     for ax in (left, right):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
         ax.title.set_fontsize(8)
     fig.tight_layout()

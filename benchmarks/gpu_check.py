@@ -150,7 +150,7 @@ def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
         torch.set_num_threads(1)  # as the planner profiles a rank: 1 thread (2 shared cores here)
     compiled_modes = ([] if compile_mode == "off" or (compile_mode == "auto" and on_cpu)
                       else ["default", "reduce-overhead"] if not on_cpu else ["default"])
-    sets, groups = [], []
+    sets, groups, sweeps = [], [], []
     for label, hidden, heads, blocks in sizes["sets"]:
         start = time.perf_counter()
         layers, ctx, hf_blocks = gc.build_blocks(hidden, heads, blocks, sizes["seq_len"], device, dtype)
@@ -160,6 +160,7 @@ def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
                                      dtype, sizes["repeats"])
         compiled = [gc.measure_compiled(layers, ctx, hf_blocks, hidden, sizes["seq_len"], sizes["max_slices"],
                                         device, dtype, mode, sizes["repeats"]) for mode in compiled_modes]
+        sweeps.append(gc.gemm_sweep(hidden, sizes["seq_len"], device, dtype, sizes["repeats"]))
         rows = [list(map(float, r)) for r in cost.samples]
         groups.append({"samples": [r[:3] for r in rows], "times": [(r[3] + r[4]) / blocks for r in rows],
                        "hidden": hidden, "heads": heads})
@@ -171,9 +172,11 @@ def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
         print(f"[gpu_check] step 4 {label}: {len(rows)} grid points, slicing 1..{max(slicing['sliced_s'])} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     peak, peak_source = _peak(env, device, dtype)
-    spec, report = gf.fit_device(groups, peak, f"measured: {env['device_name']} ({str(dtype)[6:]}, links of p3.16xlarge)")
+    spec, report = gf.fit_device(groups, gf.fit_gemm(sweeps), peak,
+                                 f"measured: {env['device_name']} ({str(dtype)[6:]}, links of p3.16xlarge)")
     print("[gpu_check] step 5: " + gf.describe(spec, report).replace("**", ""), flush=True)
     return {"device": device, "dtype": str(dtype), "seq_len": sizes["seq_len"], "sets": sets, "groups": groups,
+            "gemm_sweeps": sweeps,
             "spec": spec, "fit": report, "peak_source": peak_source}
 
 

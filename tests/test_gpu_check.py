@@ -76,8 +76,10 @@ def test_fit_recovers_a_known_device():
     points = np.array([(1, l, c) for l in (8, 16, 32, 64, 128, 256, 512) for c in (0, 128, 512) if c + l <= 1024], float)
     groups = [{"samples": points, "times": gf.predict(truth, points, h, heads), "hidden": h, "heads": heads}
               for h, heads in ((768, 12), (1024, 16))]
-    spec, report = gf.fit_device(groups, truth.peak_flops, "synthetic")
-    assert report["n_half_tokens"] == 96
+    tokens = np.array([8, 16, 32, 64, 128, 512])
+    sweeps = [{"hidden": h, "tokens": tokens, "times": gf.gemm_flops(h, tokens + 96) / truth.rate} for h in (768, 1024)]
+    spec, report = gf.fit_device(groups, gf.fit_gemm(sweeps), truth.peak_flops, "synthetic")
+    assert report["n_half_tokens"] == pytest.approx(96, rel=1e-6)
     assert spec.achieved_fraction == pytest.approx(0.4, rel=1e-6)
     assert spec.kernel_overhead == pytest.approx(7e-6, rel=1e-6)
     assert spec.hbm_bandwidth == pytest.approx(500e9, rel=1e-6)
