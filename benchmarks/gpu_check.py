@@ -18,8 +18,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048, and the
      long-context benchmark where present.
 Steps 1-3 and the multi-GPU runs need CUDA; without it they are reported as skipped, and steps
-4-5 run on the CPU at small sizes (about 30 s: what CI runs). Writes DIR/gpu_check.{md,json} and
-DIR/cost_curve.png (default benchmarks/results/gpu/, or benchmarks/results/gpu/cpu/ on a CPU).
+4-5 run on the CPU at small sizes (about 40 s here; tests/test_gpu_check.py runs a smaller one).
+Writes DIR/gpu_check.{md,json} and DIR/cost_curve.png (default benchmarks/results/gpu/, or
+benchmarks/results/gpu/cpu/ on a CPU).
 """
 
 from __future__ import annotations
