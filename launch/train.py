@@ -29,7 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--dataset_name", help="hub dataset name")
     data.add_argument("--dataset_config_name", help="hub dataset config")
     data.add_argument("--train_file", help="local .txt/.json/.jsonl/.csv/.parquet file")
-    data.add_argument("--validation_file", help="local validation file (same formats)")
+    data.add_argument("--validation_file", help="local validation file (same formats); also with the embedded "
+                      "corpus or --dataset_name, whose validation part it replaces")
+    data.add_argument("--text_column", default="text", help="json/csv/parquet/hub column holding the text (default text)")
     data.add_argument("--block_size", type=int, help="sequence length; overrides terapipe.seq_len")
     train = parser.add_argument_group("training")
     train.add_argument("--max_steps", type=int, default=30, help="optimizer steps to run (default 30)")

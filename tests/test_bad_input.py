@@ -29,7 +29,7 @@ def test_invalid_utf8_train_file(tmp_path, monkeypatch, caplog):
     # line 3 holds a Latin-1 'é' (0xe9) after 4 bytes; everything before it is valid UTF-8 ('ö' is 2 bytes)
     train.write_bytes("first line\nsecond: ö\n".encode() + b"caf\xe9 au lait\n" + b"more text\n" * 1000)
     error = stops_with_one_error(tmp_path, monkeypatch, caplog, train_file=str(train))
-    assert error.startswith(f"error: DataArgs.train_file: {str(train)!r} is not valid UTF-8: byte 0xe9 at "
+    assert error.startswith(f"error: --train_file: {str(train)!r} is not valid UTF-8: byte 0xe9 at "
                             "offset 25 (line 3, byte 4 of the line"), error
     assert "re-encode the file as UTF-8" in error
 
@@ -59,7 +59,7 @@ def test_empty_train_file(tmp_path, monkeypatch, caplog, content, what):
     train = tmp_path / "train.txt"
     train.write_bytes(content)
     error = stops_with_one_error(tmp_path, monkeypatch, caplog, train_file=str(train))
-    assert error == f"error: DataArgs.train_file: file {str(train)!r} {what}; pass a file with text in it.", error
+    assert error == f"error: --train_file: file {str(train)!r} {what}; pass a file with text in it.", error
 
 
 def test_validation_file_is_checked_too(tmp_path, monkeypatch, caplog):
@@ -67,7 +67,7 @@ def test_validation_file_is_checked_too(tmp_path, monkeypatch, caplog):
     train.write_text("some text\n")
     val.write_bytes(b"\xff\xfe")
     error = stops_with_one_error(tmp_path, monkeypatch, caplog, train_file=str(train), validation_file=str(val))
-    assert "DataArgs.validation_file: " in error and "byte 0xff at offset 0 (line 1, byte 1" in error, error
+    assert "--validation_file: " in error and "byte 0xff at offset 0 (line 1, byte 1" in error, error
 
 
 def test_unsupported_checkpoint_model_type(tmp_path, monkeypatch, caplog):

@@ -1,7 +1,11 @@
 """The training job behind launch/train.py: checks, data, model, engine, loop.
 
-Order: every input check (config, data files, model size vs. sequence and stages) runs before the
-process group exists, so bad input stops every rank at once with one message and writes nothing.
+Order: every input check that needs no process group (config, data files, checkpoint files, model
+size vs. sequence and stages) runs first, once (``checks.validate``), so bad input stops every rank
+at once with one message and writes nothing. What only a started run can find (a data file
+``datasets`` cannot parse, a tokenizer that does not load, a stage's weights) is met in phases run
+with ``failures.together``: every rank stops with the same code and one message, still before
+anything is written.
 """
 
 from __future__ import annotations
@@ -12,15 +16,16 @@ from dataclasses import dataclass, fields
 
 from tqdm import tqdm
 
-from .config import ConfigError, load_ds_config
-from .data import DataArgs, DataConfigError, build_lm_dataset, get_tokenizer
 from . import faults, resume
+from .checks import RunSpec, check_validation_size, check_vocabulary, model_config, validate  # noqa: F401 (model_config: export.py)
+from .config import ConfigError
+from .data import build_lm_dataset, get_tokenizer
 from .data.sampling import step_batches
 from .engine import PipelineFailure
-from .initialize import check_run, initialize, launch_world_size
+from .failures import BAD_INPUT, INPUT_ERRORS, RunStopped, one_line, together
+from .initialize import init_process_group, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
 from .resume import checkpoint_dir
-from .resume_checks import check_resume
 
 log = logging.getLogger("tp_trainer")
 
@@ -37,6 +42,7 @@ class RunArgs:
     dataset_config_name: str | None = None
     train_file: str | None = None
     validation_file: str | None = None
+    text_column: str = "text"
     block_size: int | None = None
     max_steps: int = 30
     eval_interval: int = 10
@@ -69,61 +75,16 @@ def setup_logging() -> int:
     return rank
 
 
-def model_config(args: RunArgs, vocab_size: int):
-    """The HF config of the model to train (read only: no weights are touched here)."""
-    from .checkpoint import checkpoint_config
-    from .model.presets import preset_config
-    if args.model_name_or_path:
-        return checkpoint_config(args.model_name_or_path)
-    try:
-        return preset_config(args.config_name, vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                             bos_token_id=0, eos_token_id=0)  # <|endoftext|> is id 0 in the embedded tokenizer
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def check_checkpointable(ds_config: dict, args: RunArgs) -> None:
-    """DeepSpeed 0.19.8 saves bf16-without-ZeRO checkpoints it cannot load (KeyError: 0 in
-    BF16_Optimizer._load_legacy_checkpoint): refuse before training rather than at resume time."""
-    bf16 = ds_config.get("bf16", {}).get("enabled", False)
-    zero = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if bf16 and zero == 0 and (args.save_interval or args.resume):
-        flag = "--resume" if args.resume else "--save_interval"
-        raise ConfigError(f"{flag}: DeepSpeed cannot resume bf16 checkpoints without ZeRO (KeyError in "
-                          f"BF16_Optimizer._load_legacy_checkpoint); set \"zero_optimization\": {{\"stage\": 1}} "
-                          f"with bf16, or train without checkpoints")
-
-
-def prepare(args: RunArgs):
-    """All checks and the data, before any process group: (ds_config, data_args, model config)."""
-    ds_config = load_ds_config(args.deepspeed_config)
-    section = ds_config.setdefault("terapipe", {})
-    if args.block_size is not None:
-        section["seq_len"] = args.block_size
-    seq_len = section.get("seq_len", 1024)
-    data_args = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                         train_file=args.train_file, validation_file=args.validation_file,
-                         block_size=seq_len if isinstance(seq_len, int) else 1024)
-    return ds_config, data_args
-
-
 def run(args: RunArgs) -> list[float]:
     """Train ``args.max_steps`` steps; returns the losses (rank 0 shows them with tqdm)."""
     rank = setup_logging()
     try:
-        args.check()
-        ds_config, data_args = prepare(args)
-        # the vocabulary does not matter for the checks (positions, depth, stages)
-        check_run(ds_config, model_config(args, vocab_size=1), launch_world_size())
-        check_checkpointable(ds_config, args)
-        resume_from = check_resume(args.output_dir, args.resume, ds_config, lambda vocab: model_config(args, vocab),
-                                   launch_world_size(), args.reset_optimizer,
-                                   args.reset_data_position) if args.resume else None
-    except (ConfigError, DataConfigError, OSError) as err:
+        spec = validate(args, launch_world_size())
+    except INPUT_ERRORS as err:
         if rank == 0:
-            log.error("error: %s", err)
-        raise SystemExit(2) from None
-    return _train(args, ds_config, data_args, rank, resume_from)
+            log.error("error: %s", one_line(err))
+        raise SystemExit(BAD_INPUT) from None
+    return _train(args, spec, rank)
 
 
 @dataclass
@@ -139,8 +100,12 @@ class Job:
     samples: int
 
 
-def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
-    job = _start(args, ds_config, data_args, rank, resume_from)
+def _train(args: RunArgs, spec: RunSpec, rank: int) -> list[float]:
+    try:
+        job = _start(args, spec, rank)
+    except RunStopped as stop:  # every rank is here, with the same code; one of them reports
+        stop.report()
+        raise SystemExit(stop.code) from None
     if rank == 0:
         _write_plan(job.engine, args.output_dir)
     if job.first_step == 0:
@@ -150,27 +115,51 @@ def _train(args, ds_config, data_args, rank, resume_from) -> list[float]:
     return losses
 
 
-def _start(args, ds_config, data_args, rank, resume_from) -> Job:
-    """Process group, data (rank 0 first), model split and materialized per stage, resume."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
+def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
+    """Process group, data (rank 0 first), model split and materialized per stage, resume. Each phase
+    ends with every rank agreeing that it succeeded (``failures.together``), so nothing is written
+    before all of them have."""
     from .checkpoint import meta_model
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    tokenizer, dataset = _data_rank0_first(args, data_args, rank)
+    init_process_group()
+    tokenizer, config, dataset, validation = _rank0_first("reading the data", _data, spec, rank)
     if rank == 0:
         log.info("data: %s", dataset.summary())
-    config = model_config(args, vocab_size=len(tokenizer))
-    engine, *_ = initialize(meta_model(config), ds_config, checkpoint=args.model_name_or_path, seed=args.seed)
+        log.info("data: %s", validation.summary())
+    engine, *_ = initialize(meta_model(config), checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline)
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
-    validation = build_lm_dataset(data_args, tokenizer, "validation")
-    first_step, samples = resume.load(engine, resume_from) if resume_from else (0, 0)
+    together("checking the validation set", check_validation_size, engine, validation, args.eval_batches)
+    resume_from = spec.resume_from
+    first_step, samples = together("resuming", resume.load, engine, resume_from) if resume_from else (0, 0)
     if resume_from and rank == 0:
         log.info("resumed from %s at step %d (%d samples consumed, %s)", resume_from.tag, first_step, samples,
                  "same layout" if resume_from.same_layout else "layout-free")
     batches = step_batches(dataset, engine.micro_batch_size, engine.micro_batches, engine.grid.data_parallel_id,
                            engine.dp_world_size, start=samples)
     return Job(engine, config, tokenizer, validation, batches, first_step, samples)
+
+
+def _data(spec: RunSpec, rank: int):
+    """(tokenizer, HF config, train blocks, validation blocks), the tokenizer checked against the model."""
+    name, flag = spec.tokenizer_source
+    tokenizer = get_tokenizer(name, cache_dir=spec.data.cache_dir, show_progress=rank == 0, flag=flag)
+    config = spec.model_config(len(tokenizer))
+    check_vocabulary(tokenizer, config, spec)
+    train = build_lm_dataset(spec.data, tokenizer, "train")
+    return tokenizer, config, train, build_lm_dataset(spec.data, tokenizer, "validation")
+
+
+def _rank0_first(phase: str, work, *args):
+    """Rank 0 runs ``work`` first (it trains the tokenizer, fills the caches), then the others read
+    the caches. Collective: a failure anywhere stops every rank after the step it happened in."""
+    from deepspeed import comm as dist
+    rank = dist.get_rank()
+    first = together(phase, work if rank == 0 else _nothing, *args)
+    later = together(phase, work if rank != 0 else _nothing, *args)
+    return first if rank == 0 else later
+
+
+def _nothing(*_args):
+    return None
 
 
 def _write_plan(engine, output_dir: str) -> None:
@@ -278,17 +267,14 @@ def _append_jsonl(path: str, record: dict) -> None:
 
 
 def evaluate(engine, dataset, args: RunArgs, step: int, rank: int) -> float:
-    """Validation loss and perplexity over ``args.eval_batches`` batches, through the pipeline."""
+    """Validation loss and perplexity over ``args.eval_batches`` batches, through the pipeline (the set
+    is large enough: ``checks.check_validation_size`` ran at start)."""
     import math
 
     from torch.utils.data import DataLoader, DistributedSampler
     sampler = DistributedSampler(dataset, num_replicas=engine.dp_world_size,
                                  rank=engine.grid.data_parallel_id, shuffle=False)
     loader = iter(DataLoader(dataset, batch_size=engine.micro_batch_size, sampler=sampler, drop_last=True))
-    needed = engine.micro_batches * args.eval_batches * engine.micro_batch_size * engine.dp_world_size
-    if len(dataset) < needed:
-        raise ConfigError(f"validation: {len(dataset)} blocks, but --eval_batches {args.eval_batches} needs "
-                          f"{needed}; lower --eval_batches or give a larger validation set")
     losses = [float(engine.eval_batch(loader)) for _ in range(args.eval_batches)]
     loss = sum(losses) / len(losses)
     if rank == 0:
@@ -297,16 +283,3 @@ def evaluate(engine, dataset, args: RunArgs, step: int, rank: int) -> float:
             engine.monitor.write_events([("Validation/loss", loss, step),
                                          ("Validation/perplexity", math.exp(loss), step)])
     return loss
-
-
-def _data_rank0_first(args, data_args, rank):
-    """Rank 0 trains the tokenizer / tokenizes into the cache first; the others then read the cache."""
-    from deepspeed import comm as dist
-    if rank != 0:
-        dist.barrier()
-    tokenizer = get_tokenizer(args.tokenizer_name or args.model_name_or_path, cache_dir=data_args.cache_dir,
-                              show_progress=rank == 0)
-    dataset = build_lm_dataset(data_args, tokenizer, "train")
-    if rank == 0:
-        dist.barrier()
-    return tokenizer, dataset

@@ -80,14 +80,32 @@ def checkpoint_config(name_or_path: str, need_weights: bool = True):
     path = resolve_checkpoint(name_or_path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"--model_name_or_path: {path} has no config.json; pass a save_pretrained directory")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as err:  # a wrongly typed field, bad JSON, unknown model_type: many types
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"--model_name_or_path: {os.path.join(path, 'config.json')} does not load as a "
+                              f"model config ({type(err).__name__}: {reason}); fix that field, or save the "
+                              "config again with config.save_pretrained(dir)") from None
     try:
         adapter_for(config)
     except ValueError as err:
         raise CheckpointError(f"--model_name_or_path {path}: {err}") from None
-    if need_weights:
-        safetensors_index(path)  # fails early when the weights are missing or not safetensors
+    if need_weights:  # fails early when the weights are missing, not safetensors or damaged
+        for file in sorted(set(safetensors_index(path).values())):
+            _check_header(file)
     return config
+
+
+def _check_header(file: str) -> None:
+    """Opening a safetensors file reads its header and checks that the data it declares is there
+    (a truncated file fails here); no tensor is read."""
+    try:
+        with safe_open(file, framework="pt"):
+            pass
+    except Exception as err:  # SafetensorError, OSError
+        raise CheckpointError(f"--model_name_or_path: {file} is not a readable safetensors file "
+                              f"({type(err).__name__}: {err}); copy or save the checkpoint again") from None
 
 
 def meta_model(config) -> nn.Module:
@@ -101,11 +119,16 @@ def safetensors_index(directory: str) -> dict[str, str]:
     """Checkpoint key -> safetensors file (absolute path) of a save_pretrained directory."""
     index = os.path.join(directory, INDEX)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
+        try:
+            with open(index, encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"checkpoint {index}: not a safetensors index ({type(err).__name__}: {err}); "
+                                  "save the checkpoint again") from None
         return {key: os.path.join(directory, name) for key, name in weight_map.items()}
     single = os.path.join(directory, SINGLE)
     if os.path.isfile(single):
+        _check_header(single)
         with safe_open(single, framework="pt") as handle:
             return {key: single for key in handle.keys()}
     raise CheckpointError(f"checkpoint {directory}: no {SINGLE} or {INDEX}; only safetensors checkpoints are read "
@@ -238,8 +261,9 @@ def _load(model, modules: dict[str, nn.Module], directory: str, report: LoadRepo
                 name = f"{module_name}.{local}"
                 key = next((k for k in _key_candidates(model, name) if k in index), None)
                 if key is None:
-                    raise CheckpointError(f"checkpoint {directory}: tensor {name!r} is missing "
-                                          f"(needed by stage {report.stage})")
+                    raise CheckpointError(f"checkpoint {directory}: tensor {name!r} is missing (needed by stage "
+                                          f"{report.stage}); the checkpoint is incomplete or of another model: "
+                                          "save it again with model.save_pretrained(dir)")
                 path = index[key]
                 if path not in handles:
                     handles[path] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))

@@ -10,12 +10,12 @@ from .corpus import (DEFAULT_VALIDATION_FRACTION, DataArgs, DataConfigError, def
                      list_stdlib_files, load_text_dataset, read_source, stdlib_dataset,
                      stdlib_files, stdlib_root)
 from .packing import PackedBlocks, build_lm_dataset, tokenize_dataset
-from .tokenizer import (DEFAULT_VOCAB_SIZE, EOS_TOKEN, default_tokenizer_path, get_tokenizer,
-                        load_or_train, train_bpe)
+from .tokenizer import (DEFAULT_VOCAB_SIZE, EOS_TOKEN, TOKENIZER_FILES, check_tokenizer_source,
+                        default_tokenizer_path, get_tokenizer, load_or_train, train_bpe)
 
 __all__ = [
-    "DEFAULT_VALIDATION_FRACTION", "DEFAULT_VOCAB_SIZE", "EOS_TOKEN", "DataArgs",
-    "DataConfigError", "PackedBlocks", "build_lm_dataset", "default_cache_dir",
+    "DEFAULT_VALIDATION_FRACTION", "DEFAULT_VOCAB_SIZE", "EOS_TOKEN", "TOKENIZER_FILES", "DataArgs",
+    "check_tokenizer_source", "DataConfigError", "PackedBlocks", "build_lm_dataset", "default_cache_dir",
     "default_tokenizer_path", "get_tokenizer", "list_stdlib_files", "load_or_train",
     "load_text_dataset", "read_source", "stdlib_dataset", "stdlib_files", "stdlib_root",
     "tokenize_dataset", "train_bpe",

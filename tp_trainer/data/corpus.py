@@ -22,6 +22,8 @@ from typing import Optional
 
 import datasets
 
+from ..config import ConfigError
+
 SPLITS = ("train", "validation")
 DEFAULT_VALIDATION_FRACTION = 0.02  # every 50th stdlib file
 # Directory names never walked into when listing the stdlib corpus.
@@ -32,9 +34,11 @@ LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "j
                   ".csv": "csv", ".parquet": "parquet"}
 
 
-class DataConfigError(ValueError):
+class DataConfigError(ConfigError):
     """Bad data input (a field of `DataArgs`, a missing file, an empty split). The message names
-    the field and the fix; raised before any expensive work where possible."""
+    the field and the fix; raised before any expensive work where possible. Fields that
+    launch/train.py sets from a flag are named by the flag (`--train_file`), the others as
+    `DataArgs.<field>`."""
 
 
 def default_cache_dir() -> str:
@@ -91,12 +95,10 @@ class DataArgs:
 
     def _check_source(self) -> None:
         if self.dataset_name and self.train_file:
-            raise DataConfigError("DataArgs: set either `dataset_name` or `train_file`, not both.")
+            raise DataConfigError("--dataset_name and --train_file: set one of them, not both.")
         if self.dataset_config_name and not self.dataset_name:
-            raise DataConfigError("DataArgs.dataset_config_name is set but `dataset_name` is not; "
-                                  "set dataset_name or drop dataset_config_name.")
-        if self.validation_file and not self.train_file:
-            raise DataConfigError("DataArgs.validation_file needs `train_file` as well.")
+            raise DataConfigError("--dataset_config_name is set but --dataset_name is not; "
+                                  "set --dataset_name or drop --dataset_config_name.")
         for name in ("train_file", "validation_file"):
             _check_local_file(name, getattr(self, name))
         if self.text_sample_by not in ("line", "paragraph", "document"):
@@ -105,7 +107,7 @@ class DataArgs:
 
     def _check_numbers(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise DataConfigError(f"DataArgs.block_size={self.block_size!r}: use an int >= 1.")
+            raise DataConfigError(f"--block_size {self.block_size!r}: use an int >= 1.")
         if not 0.0 <= self.validation_fraction < 0.5:
             raise DataConfigError(f"DataArgs.validation_fraction={self.validation_fraction!r}: "
                                   "use a value in [0, 0.5).")
@@ -125,24 +127,45 @@ class DataArgs:
             return f"file:{self.train_file}"
         return f"stdlib:python{sys.version_info.major}.{sys.version_info.minor}"
 
+    def split_source(self, split: str) -> str:
+        """`source`, or the validation file where the validation split comes from one."""
+        return f"file:{self.validation_file}" if split == "validation" and self.validation_file else self.source
+
 
 def _check_local_file(name: str, path: Optional[str]) -> None:
     """Raise DataConfigError naming `name` unless `path` is None or an existing supported file."""
     if path is None:
         return
     p = Path(path)
+    if p.is_dir():
+        raise DataConfigError(f"--{name}: {str(p)!r} is a directory; pass one "
+                              ".txt/.json/.jsonl/.csv/.parquet file in it.")
     if not p.is_file():
-        raise DataConfigError(f"DataArgs.{name}: file not found: {str(p)!r}. Pass an existing "
-                              ".txt/.json/.jsonl/.csv/.parquet file, or unset {name} "
+        raise DataConfigError(f"--{name}: file not found: {str(p)!r}. Pass an existing "
+                              f".txt/.json/.jsonl/.csv/.parquet file, or leave out --{name} "
                               "to use the embedded stdlib corpus.")
     if p.suffix.lower() not in LOCAL_BUILDERS:
-        raise DataConfigError(f"DataArgs.{name}: unsupported extension {p.suffix!r} for {str(p)!r}"
+        raise DataConfigError(f"--{name}: unsupported extension {p.suffix!r} for {str(p)!r}"
                               f"; use one of {sorted(LOCAL_BUILDERS)}.")
     if p.stat().st_size == 0:
-        raise DataConfigError(f"DataArgs.{name}: file {str(p)!r} is empty; pass a file with "
+        raise DataConfigError(f"--{name}: file {str(p)!r} is empty; pass a file with "
                               "text in it.")
-    if LOCAL_BUILDERS[p.suffix.lower()] != "parquet":
+    if LOCAL_BUILDERS[p.suffix.lower()] == "parquet":
+        _check_parquet(name, p)
+    else:
         _check_utf8_text(name, p)
+
+
+def _check_parquet(name: str, p: Path) -> None:
+    """A parquet file's footer (schema, row groups) must read: a cheap check (no rows are read)
+    that stops a corrupt or truncated file before any process group exists."""
+    import pyarrow.parquet as pq
+    try:
+        pq.ParquetFile(p).close()
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise DataConfigError(f"--{name}: {str(p)!r} is not a readable parquet file "
+                              f"({type(err).__name__}: {err}); write it again, e.g. with "
+                              "pandas.DataFrame.to_parquet or datasets.Dataset.to_parquet.") from None
 
 
 UTF8_CHUNK = 1 << 20  # bytes read at a time by _check_utf8_text
@@ -170,7 +193,7 @@ def _check_utf8_text(name: str, p: Path, chunk_size: int = UTF8_CHUNK) -> None:
                 start = offset - len(pending) + before.rfind(b"\n") + 1 if b"\n" in before else line_start
                 byte = data[err.start:err.start + 1].hex()
                 raise DataConfigError(
-                    f"DataArgs.{name}: {str(p)!r} is not valid UTF-8: byte 0x{byte} at offset {bad} "
+                    f"--{name}: {str(p)!r} is not valid UTF-8: byte 0x{byte} at offset {bad} "
                     f"(line {line}, byte {bad - start + 1} of the line: {err.reason}); re-encode the "
                     "file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt` for a Latin-1 "
                     "file.") from None
@@ -184,7 +207,7 @@ def _check_utf8_text(name: str, p: Path, chunk_size: int = UTF8_CHUNK) -> None:
             lines += chunk.count(b"\n")
             offset += len(chunk)
     if not has_text:
-        raise DataConfigError(f"DataArgs.{name}: file {str(p)!r} holds only whitespace; pass a "
+        raise DataConfigError(f"--{name}: file {str(p)!r} holds only whitespace; pass a "
                               "file with text in it.")
 
 
@@ -274,13 +297,10 @@ def _holdout(ds: datasets.Dataset, fraction: float, split: str) -> datasets.Data
     return ds.select(split_items(list(range(len(ds))), fraction, split))
 
 
-def _load_local(args: DataArgs, split: str) -> datasets.Dataset:
-    """Load args.train_file / validation_file with the builder its extension names; a file
-    `datasets` cannot parse raises DataConfigError naming the field and path."""
-    if split == "validation" and args.validation_file:
-        name, carve = "validation_file", False
-    else:
-        name, carve = "train_file", True
+def _load_local(args: DataArgs, name: str, split: str) -> datasets.Dataset:
+    """Load the file of field `name` (train_file / validation_file) with the builder its
+    extension names; the train file's `split` part is carved out by `_holdout`. A file
+    `datasets` cannot parse raises DataConfigError naming the flag and path."""
     path = getattr(args, name)
     builder = LOCAL_BUILDERS[Path(path).suffix.lower()]
     kwargs = {"sample_by": args.text_sample_by} if builder == "text" else {}
@@ -288,9 +308,9 @@ def _load_local(args: DataArgs, split: str) -> datasets.Dataset:
         ds = datasets.load_dataset(builder, data_files={"train": str(path)}, split="train",
                                    cache_dir=_hf_cache(args.cache_dir), **kwargs)
     except Exception as e:  # datasets raises many types (ArrowInvalid, StopIteration, ...)
-        raise DataConfigError(f"DataArgs.{name}: could not read {str(path)!r} as {builder} "
+        raise DataConfigError(f"--{name}: could not read {str(path)!r} as {builder} "
                               f"({type(e).__name__}: {e}); check the file format.") from e
-    return _holdout(ds, args.validation_fraction, split) if carve else ds
+    return ds if name == "validation_file" else _holdout(ds, args.validation_fraction, split)
 
 
 def _load_hub(args: DataArgs, split: str) -> datasets.Dataset:
@@ -300,37 +320,54 @@ def _load_hub(args: DataArgs, split: str) -> datasets.Dataset:
                                    cache_dir=_hf_cache(args.cache_dir))
     except Exception as e:  # not found, no network, bad config: many exception types
         raise DataConfigError(
-            f"DataArgs.dataset_name={args.dataset_name!r} (dataset_config_name="
+            f"--dataset_name {args.dataset_name!r} (--dataset_config_name "
             f"{args.dataset_config_name!r}) could not be loaded ({type(e).__name__}: {e}). "
             "Check the name and config, the network / HF_DATASETS_OFFLINE, or use "
-            "train_file.") from e
+            "--train_file.") from e
     if split == "validation" and "validation" in dd:
         return dd["validation"]
     if "train" not in dd:
-        raise DataConfigError(f"DataArgs.dataset_name={args.dataset_name!r} has no 'train' "
+        raise DataConfigError(f"--dataset_name {args.dataset_name!r} has no 'train' "
                               f"split (has {list(dd)}); choose another dataset/config.")
     return _holdout(dd["train"], args.validation_fraction, split)
 
 
 def load_text_dataset(args: DataArgs, split: str = "train") -> datasets.Dataset:
     """One split of the configured source as a Dataset with (at least) `args.text_column`.
-    Raises DataConfigError on an empty split or a missing text column."""
+    A validation file, when given, is the validation split whatever the training source (the
+    embedded corpus, a hub dataset or a train file). Raises DataConfigError on an empty split
+    or a missing text column."""
     _check_split(split)
     if split == "validation" and args.validation_fraction == 0 and not args.validation_file:
         has_own = bool(args.dataset_name)  # a hub dataset may bring its own validation split
         if not has_own:
             raise DataConfigError("No validation split: set DataArgs.validation_fraction > 0 "
-                                  "or DataArgs.validation_file.")
-    if args.dataset_name:
+                                  "or --validation_file.")
+    if split == "validation" and args.validation_file:
+        ds = _load_local(args, "validation_file", split)
+    elif args.dataset_name:
         ds = _load_hub(args, split)
     elif args.train_file:
-        ds = _load_local(args, split)
+        ds = _load_local(args, "train_file", split)
     else:
         ds = stdlib_dataset(split, args.cache_dir, args.validation_fraction)
-    if args.text_column not in ds.column_names:
-        raise DataConfigError(f"DataArgs.text_column={args.text_column!r} not in the {split} "
-                              f"columns {ds.column_names} of {args.source}; set text_column.")
+    _check_text_column(ds, args, split)
     if len(ds) == 0:
-        raise DataConfigError(f"The {split} split of {args.source} is empty; add data or "
-                              "change validation_fraction / validation_file.")
+        fix = ("pass --validation_file, or a source with more documents (every "
+               f"{round(1 / args.validation_fraction)}th is held out)" if split == "validation"
+               and args.validation_fraction else "add data")
+        raise DataConfigError(f"The {split} split of {args.split_source(split)} is empty; {fix}.")
     return ds
+
+
+def _check_text_column(ds: datasets.Dataset, args: DataArgs, split: str) -> None:
+    """The text column must exist and hold strings; the message lists the string columns."""
+    feature = ds.features.get(args.text_column)
+    if getattr(feature, "dtype", None) in ("string", "large_string"):
+        return
+    strings = [c for c, f in ds.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+    fix = (f"pass --text_column with one of {strings}" if strings else
+           "it has no text (string) column; give a file with one")
+    what = "not a text column" if feature is not None else "no such column"
+    raise DataConfigError(f"--text_column={args.text_column!r}: {what} in the {split} data of "
+                          f"{args.split_source(split)} (columns {ds.column_names}); {fix}.")

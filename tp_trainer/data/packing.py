@@ -155,9 +155,10 @@ def build_lm_dataset(args: DataArgs, tokenizer, split: str = "train") -> PackedB
     tokens = tokenize_dataset(text, tokenizer, args.text_column, args.num_proc)
     cap = args.max_train_blocks if split == "train" else None
     blocks = PackedBlocks(tokens, args.block_size, max_blocks=cap, documents=len(text),
-                          name=f"{split} [{args.source}]")
+                          name=f"{split} [{args.split_source(split)}]")
     if len(blocks) == 0:
         raise DataConfigError(
-            f"The {split} split of {args.source} has {blocks.total_tokens} tokens, fewer than "
-            f"block_size + 1 = {args.block_size + 1}: lower DataArgs.block_size or add data.")
+            f"The {split} split of {args.split_source(split)} has {blocks.total_tokens} tokens, "
+            f"fewer than one block of block_size + 1 = {args.block_size + 1}: lower --block_size "
+            "(terapipe.seq_len) or add data.")
     return blocks

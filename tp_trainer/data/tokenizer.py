@@ -88,24 +88,54 @@ def _stdlib_train_texts() -> Iterable[str]:
 
 
 def get_tokenizer(name_or_path: Optional[str] = None, cache_dir: Optional[str] = None,
-                  vocab_size: int = DEFAULT_VOCAB_SIZE, show_progress: bool = True):
+                  vocab_size: int = DEFAULT_VOCAB_SIZE, show_progress: bool = True,
+                  flag: str = "--tokenizer_name"):
     """The tokenizer to train with.
 
-    name_or_path given: `AutoTokenizer.from_pretrained(name_or_path)` (hub id or local dir).
+    name_or_path given: `AutoTokenizer.from_pretrained(name_or_path)` (hub id or local dir);
+    a failure is an OSError naming `flag` (the option that gave the name) and the fix.
     Otherwise: the embedded stdlib byte-level BPE of `vocab_size`, trained once (~2-3 s) and
     cached under `cache_dir`. In multi-process runs let rank 0 call this first; the cache
     write is atomic either way."""
     if name_or_path is not None:
-        try:
-            return AutoTokenizer.from_pretrained(name_or_path)
-        except OSError as e:
-            raise OSError(f"tokenizer {name_or_path!r}: not a local tokenizer directory and "
-                          f"not loadable from the hub ({e}). Pass an existing directory with "
-                          "tokenizer files, a reachable hub id, or None for the embedded "
-                          "default.") from e
+        return _pretrained(name_or_path, flag)
     if vocab_size < 257 + 1:
         raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least 258 "
                          "(256 bytes + <|endoftext|> + 1 merge).")
     path = default_tokenizer_path(cache_dir, vocab_size)
     return load_or_train(path, _stdlib_train_texts, vocab_size, show_progress,
                          length=len(stdlib_files("train")))
+
+
+def _pretrained(name_or_path: str, flag: str):
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # missing files, offline, bad JSON
+        where = ("a local directory whose tokenizer files do not load" if os.path.isdir(name_or_path)
+                 else "not a local directory, and not in the hub cache or reachable hub")
+        raise OSError(f"{flag} {name_or_path!r}: {where} ({type(e).__name__}: {e}). Pass a "
+                      f"directory with tokenizer files ({', '.join(TOKENIZER_FILES)}) or a hub id "
+                      "that is cached or reachable, or leave out --tokenizer_name for the "
+                      "embedded tokenizer.") from e
+
+
+# Files of which a tokenizer directory holds at least one (fast, BPE, SentencePiece, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_source(name_or_path: Optional[str], flag: str) -> None:
+    """Before any process group: a local directory named for the tokenizer must hold tokenizer
+    files (a checkpoint saved without its tokenizer is common: say so, and how to fix it). A
+    path that looks local and does not exist is refused too; hub ids are checked when loaded."""
+    if name_or_path is None:
+        return
+    if os.path.isdir(name_or_path):
+        if not any(os.path.isfile(os.path.join(name_or_path, f)) for f in TOKENIZER_FILES):
+            fix = ("pass --tokenizer_name with the tokenizer it was trained with (a directory "
+                   "or hub id)" if flag == "--model_name_or_path" else "pass a tokenizer directory")
+            raise OSError(f"{flag} {name_or_path}: no tokenizer files (none of "
+                          f"{', '.join(TOKENIZER_FILES)}); {fix}.")
+    elif os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        raise OSError(f"{flag} {name_or_path!r}: directory does not exist; pass a tokenizer "
+                      "directory or a hub id, or leave out --tokenizer_name for the embedded "
+                      "tokenizer.")

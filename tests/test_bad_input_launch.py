@@ -1,0 +1,222 @@
+"""Bad input met after the process group has started ends cleanly on every rank, through the launcher.
+
+For each case: every rank exits with code 2, the ranks' output holds exactly one ``error:`` line
+(naming the input and the fix), no traceback, no peer-crash noise ("Connection closed"), and the
+output directory is never created. All cases run in ONE 2-rank launch (tests/bad_input_worker.py
+calls launch/train.py's main per case: one launcher start instead of one per case, ~10 s each).
+The case only rank 1 meets also runs as its own ``deepspeed`` command, to check the launcher's
+exit code and what the processes print while exiting.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from small_run import REPO, small_config
+
+from test_launch import needs_launcher
+
+CASES = [  # id, flags, substrings of the one error line, the rank that reports (None: any)
+    ("text_column_missing", ["--train_file", "{content.jsonl}"],
+     ["--text_column='text': no such column", "{content.jsonl}", "pass --text_column with one of ['content']"], 0),
+    ("csv_without_text", ["--train_file", "{notext.csv}"],
+     ["--text_column='text'", "columns ['title', 'body']", "--text_column with one of ['title', 'body']"], 0),
+    ("train_shorter_than_block", ["--train_file", "{short.txt}"],
+     ["fewer than one block of block_size + 1 = 65", "lower --block_size"], 0),
+    ("tokenizer_not_found", ["--tokenizer_name", "no-such-org/no-such-tokenizer"],
+     ["--tokenizer_name 'no-such-org/no-such-tokenizer': not a local directory", "leave out --tokenizer_name"], 0),
+    ("tokenizer_dir_missing", ["--tokenizer_name", "{tmp}/no/such/tokenizer"],
+     ["--tokenizer_name '{tmp}/no/such/tokenizer': directory does not exist"], 0),
+    ("config_field_type", ["--model_name_or_path", "{ckpt_bad_type}"],
+     ["{ckpt_bad_type}/config.json does not load as a model config", "n_layer", "fix that field"], 0),
+    ("checkpoint_without_tokenizer", ["--model_name_or_path", "{ckpt_no_tokenizer}"],
+     ["--model_name_or_path {ckpt_no_tokenizer}: no tokenizer files (none of tokenizer.json, vocab.json",
+      "pass --tokenizer_name"], 0),
+    ("train_file_directory", ["--train_file", "{tmp}"], ["--train_file: '{tmp}' is a directory"], 0),
+    ("corrupt_parquet", ["--train_file", "{corrupt.parquet}"],
+     ["--train_file: '{corrupt.parquet}' is not a readable parquet file"], 0),
+    ("truncated_safetensors", ["--model_name_or_path", "{ckpt_truncated}"],
+     ["{ckpt_truncated}/model.safetensors is not a readable safetensors file", "save the checkpoint again"], 0),
+    ("vocabulary_mismatch", ["--model_name_or_path", "{ckpt_vocab300}", "--tokenizer_name", "{tokenizer}",
+                             "--train_file", "{val.txt}", "--validation_file", "{val.txt}"],
+     ["--tokenizer_name {tokenizer}: the tokenizer has 400 tokens", "vocab_size 300"], 0),
+    ("stage1_tensor_missing", ["--model_name_or_path", "{ckpt_no_h3}", "--tokenizer_name", "{tokenizer}",
+                               "--train_file", "{val.txt}", "--validation_file", "{val.txt}"],
+     ["tensor 'transformer.h.3.mlp.c_fc.weight' is missing (needed by stage 1)"], 1),
+    ("validation_too_small", ["--validation_file", "{short_val.txt}", "--eval_batches", "3"],
+     ["--eval_batches 3: needs 12 validation blocks", "--validation_file"], 0),
+]
+TRAINS = ("validation_file_alone", ["--validation_file", "{val.txt}", "--eval_batches", "1", "--max_steps", "1",
+                                    "--eval_interval", "1"])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Every bad input of the cases, written once: name -> path."""
+    tmp = tmp_path_factory.mktemp("inputs")
+    paths = {"tmp": str(tmp), "config": small_config(tmp)}
+    paths.update(_data_files(tmp))
+    paths.update(_checkpoints(tmp))
+    return paths
+
+
+def _data_files(tmp) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    files = {name: tmp / name for name in ("content.jsonl", "notext.csv", "short.txt", "short_val.txt",
+                                           "val.txt", "corrupt.parquet")}
+    files["content.jsonl"].write_text("".join(json.dumps({"content": f"def f{i}(): return {i}\n" * 20, "id": i}) + "\n"
+                                              for i in range(100)))
+    files["notext.csv"].write_text("title,body\n" + "".join(f"t{i},body number {i}\n" for i in range(100)))
+    files["short.txt"].write_text("only a few words\n")
+    decoder = open(os.path.join(os.path.dirname(json.__file__), "decoder.py"), encoding="utf-8").read()
+    files["short_val.txt"].write_text(decoder[:1500])  # a few blocks of 65 tokens
+    files["val.txt"].write_text(decoder)
+    pq.write_table(pa.table({"text": [f"row {i} " * 50 for i in range(200)]}), files["corrupt.parquet"])
+    data = files["corrupt.parquet"].read_bytes()
+    files["corrupt.parquet"].write_bytes(data[: len(data) // 2])
+    return {name: str(path) for name, path in files.items()}
+
+
+def _checkpoints(tmp) -> dict:
+    """A 400-token tokenizer and small GPT-2 checkpoints (4 layers), each broken one way."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tp_trainer.data.tokenizer import train_bpe, wrap
+    tokenizer = tmp / "tokenizer"
+    sources = [open(os.path.join(os.path.dirname(json.__file__), f), encoding="utf-8").read()
+               for f in ("decoder.py", "encoder.py", "scanner.py")]
+    trained = wrap(train_bpe(sources, vocab_size=400, show_progress=False))
+    assert len(trained) == 400
+    trained.save_pretrained(tokenizer)
+    paths = {"tokenizer": str(tokenizer)}
+    for name, vocab in (("ckpt_vocab300", 300), ("ckpt_no_h3", 400)):
+        config = GPT2Config(n_layer=4, n_embd=32, n_head=2, n_positions=128, vocab_size=vocab,
+                            bos_token_id=0, eos_token_id=0)
+        GPT2LMHeadModel(config).save_pretrained(tmp / name)
+        paths[name] = str(tmp / name)
+    weights = tmp / "ckpt_no_h3" / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["transformer.h.3.mlp.c_fc.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    for name in ("ckpt_bad_type", "ckpt_no_tokenizer", "ckpt_truncated"):
+        shutil.copytree(tmp / "ckpt_vocab300", tmp / name)
+        paths[name] = str(tmp / name)
+    config = json.loads((tmp / "ckpt_bad_type" / "config.json").read_text())
+    (tmp / "ckpt_bad_type" / "config.json").write_text(json.dumps({**config, "n_layer": "four"}))
+    truncated = tmp / "ckpt_truncated" / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-1000])
+    for name in ("ckpt_bad_type", "ckpt_truncated"):  # so only the broken part can stop them
+        shutil.copytree(tokenizer, tmp / name, dirs_exist_ok=True)
+    return paths
+
+
+def fill(text: str, paths: dict) -> str:
+    return re.sub(r"\{([^}]+)\}", lambda m: paths[m.group(1)], text)
+
+
+def argv(flags, paths, out) -> list[str]:
+    return ["--deepspeed_config", paths["config"], "--output_dir", out, "--no_save_hf",
+            *[fill(flag, paths) for flag in flags]]
+
+
+def launcher_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+@pytest.fixture(scope="module")
+def shared_launch(inputs, tmp_path_factory):
+    """Every case in one 2-rank launch; returns (results dir, {case id: output dir})."""
+    results = tmp_path_factory.mktemp("results")
+    outs = {case[0]: str(results / f"{case[0]}-out") for case in [*CASES, TRAINS]}
+    cases = [{"id": case, "argv": argv(flags, inputs, outs[case])} for case, flags, *_ in [*CASES, TRAINS]]
+    (results / "cases.json").write_text(json.dumps(cases))
+    cmd = ["deepspeed", "--num_gpus", "2", "tests/bad_input_worker.py", str(results / "cases.json"), str(results)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return results, outs
+
+
+def case_result(results, case: str) -> tuple[list[int], list[str]]:
+    codes, logs = [], []
+    for rank in (0, 1):
+        codes.append(json.loads((results / f"{case}.rank{rank}.json").read_text())["code"])
+        logs.append((results / f"{case}.rank{rank}.log").read_text())
+    return codes, logs
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+def assert_clean_stop(text: str, expected: list[str], out: str) -> str:
+    """One error line holding every expected piece, no traceback or peer noise, nothing written."""
+    errors = error_lines(text)
+    assert len(errors) == 1, text[-4000:]
+    for piece in expected:
+        assert piece in errors[0], (piece, errors[0])
+    assert "Traceback" not in text and "Connection closed" not in text, text[-4000:]
+    assert "{" not in errors[0].split("error:", 1)[1], errors[0]  # no unfilled placeholder
+    assert not os.path.exists(out), "nothing may be written on bad input"
+    return errors[0]
+
+
+@needs_launcher
+@pytest.mark.parametrize("case,flags,expected,reporter", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_stops_every_rank(shared_launch, inputs, case, flags, expected, reporter):
+    results, outs = shared_launch
+    codes, logs = case_result(results, case)
+    assert codes == [2, 2], (codes, logs)
+    error = assert_clean_stop("\n".join(logs), [fill(piece, inputs) for piece in expected], outs[case])
+    assert error.startswith(f"[rank {reporter}] "), error
+
+
+@needs_launcher
+def test_validation_file_without_train_file(shared_launch, inputs):
+    """Train on the embedded corpus, validate on the user's file."""
+    results, outs = shared_launch
+    codes, logs = case_result(results, TRAINS[0])
+    assert codes == [0, 0], logs
+    assert f"validation [file:{inputs['val.txt']}]" in logs[0], logs[0][-3000:]
+    assert re.search(r"step 1 validation loss [\d.]+ perplexity", logs[0]), logs[0][-3000:]
+
+
+@needs_launcher
+def test_launcher_exit_code_and_output(inputs, tmp_path):
+    """The deepspeed command itself, for the case only rank 1 meets (a tensor of its stage is missing):
+    exit code 2, one error line, no traceback or "Connection closed" while the ranks exit."""
+    _, flags, expected, reporter = next(c for c in CASES if c[0] == "stage1_tensor_missing")
+    out = str(tmp_path / "out")
+    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", *argv(flags, inputs, out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    error = assert_clean_stop(text, [fill(piece, inputs) for piece in expected], out)
+    assert error.startswith(f"[rank {reporter}] "), error
+
+
+MESSAGE_SOURCES = ["tp_trainer/checks.py", "tp_trainer/run.py", "tp_trainer/config.py", "tp_trainer/initialize.py",
+                   "tp_trainer/resume.py", "tp_trainer/resume_checks.py", "tp_trainer/checkpoint/hf_load.py",
+                   "tp_trainer/data/corpus.py", "tp_trainer/data/packing.py", "tp_trainer/data/tokenizer.py"]
+
+
+def test_help_lists_every_flag_a_message_names(capsys):
+    """Every ``--flag`` the training run's messages name is an option of launch/train.py."""
+    sys.path.insert(0, os.path.join(REPO, "launch"))
+    import train
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    named = set()
+    for source in MESSAGE_SOURCES:
+        named |= set(re.findall(r"(--[a-z][a-z_]+)", open(os.path.join(REPO, source), encoding="utf-8").read()))
+    for case in CASES:
+        named |= {flag for flag in case[1] if flag.startswith("--")}
+    assert len(named) > 10, named
+    missing = sorted(flag for flag in named if not re.search(re.escape(flag) + r"\b", help_text))
+    assert not missing, f"flags named in messages but not in --help: {missing}"

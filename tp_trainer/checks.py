@@ -1,0 +1,202 @@
+"""Every check of a run's input, in one place, before any process group: ``validate`` returns a
+``RunSpec`` that the run hands on (the pipeline part, ``PipelineSpec``, goes to ``initialize``).
+
+Why one place: each check then runs once, the cost model is read once, and what a later phase
+receives is already known to be valid. Checks that need data only a started run has (the
+tokenizer's vocabulary against a checkpoint, the validation set against ``--eval_batches``) are
+here too, and run inside ``failures.together`` so every rank stops at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
+from .data import DataArgs, check_tokenizer_source
+from .model.adapters import adapter_for
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What ``initialize`` needs, checked: the DeepSpeed config, its terapipe section, the number of
+    stages and, with ``"slices": "auto"`` and a cost-model file, that cost model (read once)."""
+
+    ds_config: dict
+    terapipe: TeraPipeConfig
+    stages: int
+    cost: object | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A training run whose input passed every check before the process group."""
+
+    pipeline: PipelineSpec
+    data: DataArgs
+    config_name: str
+    checkpoint: str | None = None  # the local directory of --model_name_or_path (hub ids resolved)
+    checkpoint_config: object = None
+    tokenizer_source: tuple[str | None, str] = (None, "--tokenizer_name")  # (name or path, its flag)
+    resume_from: object = None
+
+    def model_config(self, vocab_size: int):
+        """The HF config to train: the checkpoint's, or the preset with this vocabulary."""
+        if self.checkpoint_config is not None:
+            return self.checkpoint_config
+        return preset(self.config_name, vocab_size)
+
+
+def validate(args, world_size: int) -> RunSpec:
+    """All input checks of a training run (``args``: ``run.RunArgs``); raises ConfigError (or OSError) naming the input and the fix."""
+    args.check()
+    ds_config = load_ds_config(args.deepspeed_config)
+    section = ds_config.setdefault("terapipe", {})
+    if args.block_size is not None:
+        section["seq_len"] = args.block_size
+    seq_len = section.get("seq_len", 1024)
+    data = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
+                    train_file=args.train_file, validation_file=args.validation_file, text_column=args.text_column,
+                    block_size=seq_len if isinstance(seq_len, int) else 1024)
+    checkpoint, checkpoint_config = _checkpoint(args)
+    tokenizer_source = ((args.tokenizer_name, "--tokenizer_name") if args.tokenizer_name
+                        else (checkpoint, "--model_name_or_path"))
+    check_tokenizer_source(*tokenizer_source)
+    checked = checkpoint_config if checkpoint_config is not None else preset(args.config_name, vocab_size=1)
+    pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
+    check_checkpointable(ds_config, args)
+    spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
+    if args.resume:
+        from .resume_checks import check_resume
+        resume_from = check_resume(args.output_dir, args.resume, ds_config, spec.model_config, world_size,
+                                   args.reset_optimizer, args.reset_data_position)
+        spec = RunSpec(**{**spec.__dict__, "resume_from": resume_from})
+    return spec
+
+
+def _checkpoint(args):
+    """(local directory, HF config) of ``--model_name_or_path``, or (None, None)."""
+    if not args.model_name_or_path:
+        return None, None
+    from .checkpoint import checkpoint_config, resolve_checkpoint
+    directory = resolve_checkpoint(args.model_name_or_path)
+    return directory, checkpoint_config(directory)
+
+
+def preset(name: str, vocab_size: int):
+    """A preset's HF config (dropout off; <|endoftext|> is id 0 in the embedded tokenizer)."""
+    from .model.presets import preset_config
+    try:
+        return preset_config(name, vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def model_config(args, vocab_size: int):
+    """The HF config of ``args`` (``model_name_or_path`` or ``config_name``); no weights are read."""
+    if args.model_name_or_path:
+        from .checkpoint import checkpoint_config
+        return checkpoint_config(args.model_name_or_path)
+    return preset(args.config_name, vocab_size)
+
+
+def check_checkpointable(ds_config: dict, args) -> None:
+    """DeepSpeed 0.19.8 saves bf16-without-ZeRO checkpoints it cannot load (KeyError: 0 in
+    BF16_Optimizer._load_legacy_checkpoint): refuse before training rather than at resume time."""
+    bf16 = ds_config.get("bf16", {}).get("enabled", False)
+    zero = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if bf16 and zero == 0 and (args.save_interval or args.resume):
+        flag = "--resume" if args.resume else "--save_interval"
+        raise ConfigError(f"{flag}: DeepSpeed cannot resume bf16 checkpoints without ZeRO (KeyError in "
+                          f"BF16_Optimizer._load_legacy_checkpoint); set \"zero_optimization\": {{\"stage\": 1}} "
+                          f"with bf16, or train without checkpoints")
+
+
+# ---------------------------------------------------------------- the pipeline (also for initialize)
+
+def model_positions(config) -> int | None:
+    """The longest sequence the model's position embeddings allow (None: no fixed limit)."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+def model_depth(config) -> int:
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSpec:
+    """The checks of a pipeline of ``model_config`` under ``ds_config`` on ``world_size`` ranks."""
+    check_zero_stage(ds_config)
+    try:
+        adapter_for(model_config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe"))
+    positions = model_positions(model_config)
+    if positions is not None and terapipe.seq_len > positions:
+        raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} exceeds the model's {positions} positions; "
+                          f"use a sequence length <= {positions}")
+    check_precision(ds_config)
+    stages = pipeline_stages(ds_config, world_size)
+    depth = model_depth(model_config)
+    if stages > depth:
+        raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
+                          f"use at most {depth} stages")
+    cost = read_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0))
+    return PipelineSpec(ds_config, terapipe, stages, cost)
+
+
+def check_precision(ds_config: dict) -> None:
+    """fp16 / bf16 only where this machine's accelerator computes in them."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    for key, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if ds_config.get(key, {}).get("enabled", False) and not supported():
+            other = "bf16" if key == "fp16" else "fp32 (no precision section)"
+            raise ConfigError(f"{key}.enabled: the {accelerator.device_name()} accelerator of this machine does "
+                              f"not support {key} (DeepSpeed: \"Type {key} is not supported on your device\"); "
+                              f"use {other} here, or run this config on a GPU")
+
+
+def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int):
+    """With "auto", a cost-model file that exists is read here, once, and must describe this model's
+    stages; returns it (None: none given, or not written yet: the run profiles)."""
+    if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
+        return None
+    from .planner.cost_model import PipelineCost
+    try:
+        cost = PipelineCost.load(terapipe.cost_model)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} is not a cost model ({err}); "
+                          f"delete it to profile again") from None
+    measured = (len(cost.stages), max(s.hidden for s in cost.stages))
+    if measured != (stages, hidden):
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
+                          f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
+                          f"delete it to profile again, or point to the model's own cost model")
+    return cost
+
+
+# ---------------------------------------------------------------- checks that need the started run
+
+def check_vocabulary(tokenizer, config, spec: RunSpec) -> None:
+    """Every token id must index a row of the checkpoint's embedding."""
+    rows, tokens = getattr(config, "vocab_size", None), len(tokenizer)
+    if spec.checkpoint_config is None or rows is None or tokens <= rows:
+        return
+    name, flag = spec.tokenizer_source
+    raise ConfigError(f"{flag} {name}: the tokenizer has {tokens} tokens, but the checkpoint "
+                      f"{spec.checkpoint} has vocab_size {rows} (embedding rows): ids >= {rows} would index "
+                      f"past the embedding; pass --tokenizer_name with the tokenizer the checkpoint was "
+                      f"trained with")
+
+
+def check_validation_size(engine, dataset, eval_batches: int) -> None:
+    """The validation set must fill ``--eval_batches`` pipeline batches on every replica."""
+    needed = engine.micro_batches * eval_batches * engine.micro_batch_size * engine.dp_world_size
+    if len(dataset) < needed:
+        raise ConfigError(f"--eval_batches {eval_batches}: needs {needed} validation blocks, the validation "
+                          f"set has {len(dataset)}; lower --eval_batches or give a larger --validation_file")

@@ -1,0 +1,84 @@
+"""Stopping every rank together when one rank meets a problem after the process group exists.
+
+Why: a rank that raises on its own leaves the others blocked in their next collective until the
+transport notices the dead peer ("Connection closed by peer"), and prints a traceback where the
+user needed one line. Instead, each phase of start-up (data, stage weights, ...) runs with
+``together``: the error is caught on the rank that met it, every rank then joins one small
+all_reduce, and if any rank failed, all of them raise ``RunStopped`` with the same exit code. Only
+the lowest failing rank reports (so the user reads one message), and nothing runs past the phase.
+
+Exit codes: 2 for bad input (``ConfigError`` and its kinds, ``OSError``: the message names
+the input and the fix), 1 for anything else (a bug: the reporting rank keeps the traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import ConfigError
+
+log = logging.getLogger("tp_trainer")
+
+BAD_INPUT = 2
+INTERNAL = 1
+INPUT_ERRORS = (ConfigError, OSError)  # data.DataConfigError is a ConfigError
+_CODE_BITS = 256  # the agreed key is rank * 256 + exit code: one integer, one all_reduce
+
+
+class RunStopped(Exception):
+    """Raised on every rank when some rank failed in ``phase``. ``reporting`` is true on the one rank
+    whose error the user should see (``error``; None on the others); ``code`` is the exit code."""
+
+    def __init__(self, phase: str, failed_rank: int, code: int, error: BaseException | None, reporting: bool):
+        self.phase, self.failed_rank, self.code = phase, failed_rank, code
+        self.error, self.reporting = error, reporting
+        detail = str(error) if reporting else f"rank {failed_rank} failed"
+        super().__init__(f"{phase}: {detail}")
+
+    def report(self) -> None:
+        """Log the one message of this failure (only on the reporting rank)."""
+        if not self.reporting:
+            return
+        if self.code == BAD_INPUT:
+            log.error("error: %s", one_line(self.error))
+        else:
+            log.error("%s failed", self.phase, exc_info=(type(self.error), self.error, self.error.__traceback__))
+
+
+def one_line(error: BaseException) -> str:
+    """The message on one line: errors quoted from libraries (hub, pyarrow) often span several."""
+    return " ".join(str(error).split())
+
+
+def exit_code(error: BaseException) -> int:
+    return BAD_INPUT if isinstance(error, INPUT_ERRORS) else INTERNAL
+
+
+def agree(phase: str, error: BaseException | None) -> None:
+    """Collective (every rank, same point): raise ``RunStopped`` everywhere if any rank has an error."""
+    import torch
+    from deepspeed import comm as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = rank * _CODE_BITS + exit_code(error) if error is not None else world * _CODE_BITS
+    key = torch.tensor([mine], dtype=torch.int64)
+    dist.all_reduce(key, op=dist.ReduceOp.MIN)
+    first = int(key.item())
+    if first == world * _CODE_BITS:
+        return
+    failed_rank, code = divmod(first, _CODE_BITS)
+    raise RunStopped(phase, failed_rank, code, error if rank == failed_rank else None,
+                     reporting=rank == failed_rank) from error
+
+
+def together(phase: str, work, *args, **kwargs):
+    """``work(*args, **kwargs)`` on this rank, then ``agree``: returns its result when every rank
+    succeeded. Collective: every rank must call it, in the same order (``work`` may do nothing)."""
+    error, result = None, None
+    try:
+        result = work(*args, **kwargs)
+    except RunStopped:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        error = err
+    agree(phase, error)
+    return result
