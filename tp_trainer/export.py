@@ -1,4 +1,4 @@
-"""Convert a DeepSpeed pipeline checkpoint into a Hugging Face directory (no process group).
+"""Convert a training checkpoint into a Hugging Face directory (no process group).
 
     python -m tp_trainer.export --checkpoint_dir CKPT [--tag TAG] --output_dir OUT \
         [--model_name_or_path DIR_OR_HUB_ID | --config_name PRESET] [--tokenizer_name T]
@@ -8,6 +8,9 @@ DeepSpeed's PipelineModule saves one file per pipeline layer, ``<ckpt>/<tag>/lay
 the layer's own names (``inner.weight``...). A tied layer is saved once, at its first index (later
 tied uses are functions without state). Which HF submodule layer XX wraps comes from the adapter's
 layer specs built on a meta model: spec XX is ``HFPart(inner, hf_name, ctx)`` -> ``hf_name.*``.
+
+A checkpoint with the layout-free form (``checkpoint/layout_free.py``, written by every save since
+layout-free resume) is read from that instead: its tensors are already named as in the HF model.
 
 The model config: ``--model_name_or_path`` (the checkpoint training started from), else a
 config.json in the checkpoint directory, else the ``--config_name`` preset with the vocabulary
@@ -28,6 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from .checkpoint.hf_load import CheckpointError, checkpoint_config, meta_model, persistent_tensors, stage_modules
+from .checkpoint import layout_free
 from .checkpoint.hf_save import finish, fresh_tmp, shard_file, write_shard
 from .config import ConfigError
 from .model.adapters import adapter_for
@@ -106,7 +110,8 @@ def export_from_deepspeed(checkpoint_dir: str, config, output_dir: str, tag: str
                 for t, tensor in persistent_tensors(module).items()}
     tmp = fresh_tmp(output_dir)
     try:
-        batches = _write_shards(tmp, _checked(layer_tensors(ckpt, model), expected, ckpt), max_shard_bytes)
+        batches = _write_shards(tmp, _checked(_progress(checkpoint_tensors(ckpt, model)), expected, ckpt),
+                                max_shard_bytes)
         found = {name for sizes, _ in batches for name in sizes}
         if found != set(expected):
             raise CheckpointError(f"{ckpt}: tensors missing {sorted(set(expected) - found)[:5]} "
@@ -119,6 +124,19 @@ def export_from_deepspeed(checkpoint_dir: str, config, output_dir: str, tag: str
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return output_dir
+
+
+def checkpoint_tensors(ckpt: str, model) -> Iterator[dict[str, torch.Tensor]]:
+    """The checkpoint's tensors by HF name, in groups: the layout-free form when there is one
+    (one tensor at a time), else DeepSpeed's layer files (one layer at a time)."""
+    if os.path.isfile(os.path.join(ckpt, layout_free.INDEX)):
+        return ({name: tensor} for name, tensor in layout_free.iter_weights(ckpt))
+    return layer_tensors(ckpt, model)
+
+
+def _progress(groups):
+    from tqdm import tqdm
+    return tqdm(groups, desc="export", unit=" groups", leave=False, disable=None)  # None: shown on a terminal only
 
 
 def _checked(layers, expected: dict[str, torch.Size], ckpt: str):

@@ -116,14 +116,14 @@ def check_model(where: str, saved: dict, config) -> None:
     current = model_record(config)["shapes"]
     if current == saved["shapes"]:
         return
-    names = sorted(set(current) ^ set(saved["shapes"]))
-    if names:
-        name = names[0]
-        side = "only the checkpoint" if name in saved["shapes"] else "only this run's model"
-        detail = f"{name} is in {side}"
-    else:
-        name = next(n for n in sorted(current) if current[n] != saved["shapes"][n])
+    reshaped = sorted(n for n in set(current) & set(saved["shapes"]) if current[n] != saved["shapes"][n])
+    if reshaped:
+        name = reshaped[0]
         detail = f"{name} is {tuple(saved['shapes'][name])} there, {tuple(current[name])} here"
+    else:
+        name = sorted(set(current) ^ set(saved["shapes"]))[0]
+        holder = "only the checkpoint" if name in saved["shapes"] else "only this run's model"
+        detail = f"{name} is in {holder}"
     raise ConfigError(f"{where} holds a different {family} model ({detail}); resume with the model it was "
                       f"trained with (its config.json is in the checkpoint)")
 

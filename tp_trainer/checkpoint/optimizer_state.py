@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import ds_compat
+
 
 def base_optimizer(engine):
     """The torch optimizer doing the update (inside DeepSpeed's ZeRO / bf16 wrapper, if any)."""
@@ -75,8 +77,8 @@ def full_state(engine, param) -> tuple[dict[str, torch.Tensor], dict[str, object
     under ZeRO. Empty before the first optimizer step."""
     from deepspeed.utils import safe_get_full_optimizer_state
     holder, _ = _state_holder(engine, param)
-    if holder is not param and hasattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.optimizer._lazy_init_hp_params_optimizer_state()  # links the fragments (idempotent)
+    if holder is not param:
+        ds_compat.link_optimizer_state(engine.optimizer)  # the fragment views (idempotent)
     state = base_optimizer(engine).state.get(holder, {})
     shaped = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == holder.shape and v.dim())
     scalars = {k: v for k, v in state.items() if k not in shaped and (not torch.is_tensor(v) or v.dim() == 0)}
@@ -110,13 +112,13 @@ def set_state(engine, param, tensors: dict[str, torch.Tensor], scalars: dict[str
             for key, value in tensors.items():
                 state[key].copy_(value.to(holder.device))
             return
-        mapping = param._hp_mapping
+        mapping = ds_compat.hp_mapping(param)
         if mapping is not None:  # this rank holds a fragment of ``param``
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
             for key, value in tensors.items():
                 fragment = value.to(holder.device).flatten().narrow(0, lp.start, lp.numel)
                 state[key].narrow(0, hp.start, hp.numel).copy_(fragment)
-    engine.optimizer._hp_optimizer_states_linked = False  # the next step re-links DeepSpeed's views
+    ds_compat.relink_optimizer_state(engine.optimizer)  # the next step re-links DeepSpeed's views
 
 
 def _scalar(value, device, group):
