@@ -19,10 +19,10 @@ import time
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from . import ds_compat
 from .model.layers import DecoderBlock
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import DeferredWeightGrads, deferrable_linears, defer
@@ -93,11 +93,11 @@ class TeraPipeEngine(PipelineEngine):
         return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
                               self.plan.num_slices)
 
-    def _exec_schedule(self, steps):
+    def _exec_schedule(self, pipe_schedule):
         self._reset_step_state()
         if self.module.training:
             self.tput_timer.start()
-        self._instructions = [instruction for step in steps for instruction in step]
+        self._instructions = [instruction for step in pipe_schedule for instruction in step]
         self._next_recv = _next_receives(self._instructions)
         self._transfers = Transfers()
         for index in self._next_recv[-1]:  # the first receive of each kind, posted now
@@ -161,14 +161,11 @@ class TeraPipeEngine(PipelineEngine):
             dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
         norm = squares.sqrt()
         clip_grads_with_norm_(params, self.gradient_clipping(), norm)  # grad *= min(clip / (norm + 1e-6), 1)
-        self._global_grad_norm = norm.item()
+        ds_compat.set_global_grad_norm(self, norm.item())
 
     def _tied_duplicates(self):
         """Tied weights held by this stage that another (lower) stage also holds."""
-        for comm in self.module.tied_comms.values():
-            if self.global_rank != min(comm["ranks"]):
-                for attr in comm["weight_attr"]:
-                    yield self.module._recursive_getattr(comm["module"], attr)
+        return ds_compat.tied_duplicate_weights(self.module, self.global_rank)
 
     # ----------------------------------------------------------------------------- handlers
     def _exec_load_slice(self, cmd: LoadSlice):
@@ -176,7 +173,7 @@ class TeraPipeEngine(PipelineEngine):
         if m not in self._batches:
             if m != self._next_microbatch:
                 raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
-            input_ids, labels = self._next_batch()
+            input_ids, labels = ds_compat.next_batch(self)
             self._batches[m] = (input_ids.to(self.device), labels.to(self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
@@ -193,20 +190,18 @@ class TeraPipeEngine(PipelineEngine):
         kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
         self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
         if self.activation_tracker is None:
-            outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+            outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
         else:
             with self.activation_tracker.track():
-                outputs = DeepSpeedEngine.forward(self, self._inputs[(m, j)])
+                outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
         training = torch.is_grad_enabled()
         if not training and j == self.plan.num_slices - 1:
             del self._kv[m]  # no backward will need it
         if self.is_last_stage():
             loss = slice_loss(outputs, self._labels.pop((m, j)), self._tokens_per_microbatch)
-            self.fwd_outputs.append(loss.detach())
+            ds_compat.record_slice_loss(self, loss, training)
             if training:
                 self._losses[(m, j)] = loss
-                self.loss = loss
-                self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
         else:
             self._outputs[(m, j)] = outputs
 
@@ -243,25 +238,13 @@ class TeraPipeEngine(PipelineEngine):
         # this slice's context again, not the last one forwarded
         self.slice_context.begin(self._kv[m], self._offsets[j], self.plan.slices[j])
         if self.is_last_stage():
-            DeepSpeedEngine.backward(self, self._losses.pop((m, j)))
+            ds_compat.loss_backward(self, self._losses.pop((m, j)))
         else:
-            self._backward_outputs(self._outputs.pop((m, j)), self._out_grads.pop((m, j)))
+            ds_compat.inner_stage_backward(self, self._outputs.pop((m, j)), self._out_grads.pop((m, j)))
         if j == 0:  # every later slice of m has run its backward: the K/V store is done
             del self._kv[m]
         if self.is_first_stage():
             del self._inputs[(m, j)]
-
-    def _backward_outputs(self, outputs: torch.Tensor, grad: torch.Tensor):
-        """outputs.backward(grad) the way DeepSpeed's pipeline engine does for inner stages."""
-        if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()
-        self._running_engine_backward = True
-        try:
-            outputs.backward(gradient=grad)
-        finally:
-            self._running_engine_backward = False
-        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
-            self.optimizer.update_hp_grads(clear_lp_grads=False)
 
     def _exec_send_grad(self, cmd: SendGrad):
         received = self._inputs.pop((cmd.microbatch, cmd.slice))
@@ -275,15 +258,16 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         if self.weight_grads is not None and len(self.weight_grads):
             raise RuntimeError(f"{cmd}: weight gradients still deferred; the schedule sent no gradient of slice 0")
-        self._exec_reduce_tied_grads()
+        ds_compat.reduce_tied_grads(self)
 
     def _exec_reduce(self, cmd: ReduceGrads):
-        if self.dp_world_size == 1 and self.zero_optimization_stage() == 0 and not self.using_bf16_optimizer:
+        bf16 = ds_compat.uses_bf16_optimizer(self)
+        if self.dp_world_size == 1 and self.zero_optimization_stage() == 0 and not bf16:
             return  # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms)
-        self._exec_reduce_grads()
+        ds_compat.reduce_grads(self)
 
     def _exec_step(self, cmd: OptimizerStep):
-        self._exec_optimizer_step()
+        ds_compat.optimizer_step(self)
 
     _DISPATCH = {
         LoadSlice: _exec_load_slice,
@@ -315,7 +299,7 @@ class TeraPipeEngine(PipelineEngine):
             if mean is not None and self.is_data_parallel:
                 dist.all_reduce(mean, group=self.mpu.get_data_parallel_group())
                 mean /= self.dp_world_size
-            return self._bcast_pipe_scalar(mean)
+            return ds_compat.broadcast_loss(self, mean)
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train(was_training)

@@ -6,6 +6,7 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
+from ..ds_compat import set_layer_bounds, stage_of_rank
 from .adapters import adapter_for
 from .layers import HFPart, SliceContext
 from .split import StageSplit, split_for_config
@@ -24,12 +25,12 @@ class TeraPipeModule(PipelineModule):
         super().__init__(layers, num_stages=len(split.parts) - 1, partition_method="terapipe", **kwargs)
 
     def _partition_layers(self, method="terapipe"):
-        stage_id = self._topo.get_coord(self.global_rank).pipe
+        stage_id = stage_of_rank(self)
         self.parts = list(self.stage_split.parts)
         if self.global_rank == 0:
             for stage, names in enumerate(self.stage_split.names):
                 logger.info(f"stage {stage}: {' '.join(names)} (cost ~{self.stage_split.costs[stage]:.3g}/token)")
-        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+        set_layer_bounds(self, self.parts[stage_id], self.parts[stage_id + 1])
 
 
 def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, **kwargs) -> TeraPipeModule:

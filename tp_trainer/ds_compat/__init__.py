@@ -1,0 +1,154 @@
+"""Every DeepSpeed internal that tp_trainer relies on, in one place, each with why and since when.
+
+TeraPipe runs inside DeepSpeed's ``PipelineEngine``: the engine subclass replaces its schedule
+executor and keeps DeepSpeed's optimizer, reductions, loss aggregation and checkpoints. That needs
+members DeepSpeed does not promise to keep (names starting with ``_``, attributes set in
+``__init__``, the protocol of a method we mirror). An upgrade that renames or changes one breaks
+training silently or deep inside a step; here each such touch is written down (``TOUCHES``) and
+``check_touches`` compares it with the installed DeepSpeed (``tests/test_ds_compat.py``), so an
+upgrade fails at once with a message naming the touch and what changed.
+
+Three kinds of touch:
+- the thin functions below: the rest of the package calls them instead of the private member;
+- ``OVERRIDES``: PipelineEngine / PipelineModule methods our subclasses replace by name (they stay in
+  ``engine.py`` and ``model/pipeline.py``); the check holds the base method's signature and the
+  call in DeepSpeed that reaches our override;
+- members used outside the package (tests, benchmarks) or by modules that keep their own call,
+  listed with ``used_by`` so an upgrade shows every place to look at.
+
+Pinned and checked: DeepSpeed ``PINNED`` (``requirements``). ``since`` is the first release we know
+to have the member in the form we rely on (from DeepSpeed's history where we looked it up;
+"checked 0.19.8" where we only know the pinned version).
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from .check import check_override, check_touch, check_touches
+from .touches import OVERRIDES, PINNED, TOUCHES, Touch
+
+__all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touches", "check_touch", "check_override",
+           "stage_forward", "loss_backward", "inner_stage_backward", "record_slice_loss", "next_batch",
+           "reduce_tied_grads", "reduce_grads", "optimizer_step", "broadcast_loss", "set_global_grad_norm",
+           "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
+           "link_optimizer_state", "relink_optimizer_state"]
+
+
+# ----------------------------------------------------------------------------- engine calls
+def stage_forward(engine, inputs):
+    """DeepSpeedEngine.forward on a PipelineEngine: PipelineEngine.forward raises ("only
+    train_batch()"), but one slice's forward must go through DeepSpeed's forward (its hooks, ZeRO's
+    backward-seen flag, autocast) exactly like the stock ``_exec_forward_pass`` does."""
+    return DeepSpeedEngine.forward(engine, inputs)
+
+
+def loss_backward(engine, loss: torch.Tensor) -> None:
+    """DeepSpeedEngine.backward on the last stage's slice loss (scaling by gradient accumulation,
+    loss scaling, bf16 bookkeeping), bypassing PipelineEngine.backward, as ``_exec_backward_pass`` does."""
+    DeepSpeedEngine.backward(engine, loss)
+
+
+def inner_stage_backward(engine, outputs: torch.Tensor, grad: torch.Tensor) -> None:
+    """``outputs.backward(grad)`` on a stage that is not the last, mirroring DeepSpeed's
+    ``PipelineEngine._exec_backward_pass``: with the bf16 optimizer, clear the low-precision grads
+    first and fold them into the fp32 ones after (unless ``immediate_grad_update`` does it in hooks);
+    ``_running_engine_backward`` tells DeepSpeed's post-backward hook this is the engine's own
+    backward, not a user's ``tensor.backward()`` (which it refuses under ZeRO 0 / loss scaling)."""
+    bf16 = uses_bf16_optimizer(engine)
+    if bf16:
+        engine.optimizer.clear_lp_grads()
+    engine._running_engine_backward = True
+    try:
+        outputs.backward(gradient=grad)
+    finally:
+        engine._running_engine_backward = False
+    if bf16 and not engine._config.bfloat16_config.immediate_grad_update:
+        engine.optimizer.update_hp_grads(clear_lp_grads=False)
+
+
+def record_slice_loss(engine, loss: torch.Tensor, training: bool) -> None:
+    """Hand one slice's loss to DeepSpeed's loss accounting: ``fwd_outputs`` (one entry per forward,
+    read by evaluation), ``loss`` and the running ``total_loss`` that ``train_batch`` resets and
+    ``_aggregate_total_loss`` scales by gradient accumulation, averages over replicas and broadcasts."""
+    engine.fwd_outputs.append(loss.detach())
+    if training:
+        engine.loss = loss
+        engine.total_loss = loss.detach() if engine.total_loss is None else engine.total_loss + loss.detach()
+
+
+def next_batch(engine):
+    """The next (inputs, labels) of the engine's data iterator, through DeepSpeed's ``batch_fn``."""
+    return engine._next_batch()
+
+
+def reduce_tied_grads(engine) -> None:
+    """All-reduce tied weights' gradients between their stages (bf16: the fp32 ``_hp_grad``)."""
+    engine._exec_reduce_tied_grads()
+
+
+def reduce_grads(engine) -> None:
+    """Data-parallel gradient reduction (ZeRO-1 / bf16 aware), at the accumulation boundary."""
+    engine._exec_reduce_grads()
+
+
+def optimizer_step(engine) -> None:
+    """DeepSpeed's step at the accumulation boundary: clipping, optimizer, scheduler, monitors.
+    Called through the instance, so a test may wrap ``engine._exec_optimizer_step``."""
+    engine._exec_optimizer_step()
+
+
+def broadcast_loss(engine, value, dtype: torch.dtype = torch.float32):
+    """Broadcast a scalar from the last stage to every stage of this pipeline (others pass None),
+    received as ``dtype``."""
+    return engine._bcast_pipe_scalar(value, dtype=dtype)
+
+
+def set_global_grad_norm(engine, norm: float) -> None:
+    """What ``engine.get_global_grad_norm()`` (and the monitors) report after our own clipping."""
+    engine._global_grad_norm = norm
+
+
+def uses_bf16_optimizer(engine) -> bool:
+    """True where DeepSpeed wrapped the optimizer in its BF16_Optimizer (fp32 master gradients)."""
+    return engine.using_bf16_optimizer
+
+
+# ----------------------------------------------------------------------------- module calls
+def tied_duplicate_weights(module, global_rank: int):
+    """The tied weights this stage holds that a lower rank of the same tie also holds (each tie
+    counted once in a global gradient norm): ``tied_comms[key]`` = {ranks, weight_attr, module}."""
+    for comm in module.tied_comms.values():
+        if global_rank != min(comm["ranks"]):
+            for attr in comm["weight_attr"]:
+                yield module._recursive_getattr(comm["module"], attr)
+
+
+def stage_of_rank(module) -> int:
+    """The pipeline stage of this rank, from the module's process topology (set before
+    ``_partition_layers`` runs, so a partition override can use it)."""
+    return module._topo.get_coord(module.global_rank).pipe
+
+
+def set_layer_bounds(module, start: int, stop: int) -> None:
+    """Which layers [start, stop) this rank builds; what DeepSpeed's own partitioning ends with."""
+    module._set_bounds(start=start, stop=stop)
+
+
+# ----------------------------------------------------------------------------- optimizer state
+def hp_mapping(param):
+    """This rank's fragment of ``param`` in the flat fp32 partition (``lp_fragment_address`` /
+    ``hp_fragment_address``, each with start and numel); None where the rank holds none of it."""
+    return param._hp_mapping
+
+
+def link_optimizer_state(optimizer) -> None:
+    """Let a ZeRO-1 / bf16 wrapper link its parameters' views of the partition's optimizer state
+    (DeepSpeed does it lazily at the first step; idempotent until ``relink_optimizer_state``)."""
+    optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def relink_optimizer_state(optimizer) -> None:
+    """After the partition's optimizer state was replaced: make the next link rebuild the views."""
+    optimizer._hp_optimizer_states_linked = False

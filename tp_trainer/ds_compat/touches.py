@@ -1,0 +1,231 @@
+"""The catalogue: each DeepSpeed internal we rely on, what for, since when, and who uses it.
+
+A ``Touch`` is checked by ``check.py``: the member exists on its owner (unless it is an attribute
+set in ``__init__``: ``instance_attr``), its parameters start with ``params``, and the DeepSpeed
+methods named in ``source`` still contain the given code (whitespace aside) - the behaviour we
+depend on, not only the name. ``why`` is the touch's documentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PINNED = "0.19.8"  # pyproject.toml; every touch below was checked against this release's source
+
+PIPE_ENGINE = "deepspeed.runtime.pipe.engine:PipelineEngine"
+DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+PIPE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
+BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
+GRID = "deepspeed.runtime.pipe.topology:PipelineParallelGrid"
+ZERO = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+FRAGMENT = "deepspeed.utils.tensor_fragment"
+STATE = "tp_trainer/checkpoint/optimizer_state.py"
+PIPE_SINCE = "0.3.0 (2020-09, the pipeline engine's first release)"
+
+
+@dataclass(frozen=True)
+class Touch:
+    owner: str                      # "package.module:Class" or "package.module"
+    member: str
+    why: str
+    since: str
+    used_by: tuple[str, ...]
+    params: tuple[str, ...] | None = None             # leading parameter names, self included
+    source: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (method of owner, code it must contain)
+    instance_attr: bool = False     # set in __init__, no class attribute: checked through ``source``
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner.rpartition(':')[2] or self.owner}.{self.member}"
+
+
+OVERRIDES = (
+    Touch(PIPE_ENGINE, "_exec_schedule", "TeraPipeEngine runs token-slice schedules through its own "
+          "dispatch table instead of DeepSpeed's buffer-based one; train_batch reaches it by name.",
+          PIPE_SINCE, ("tp_trainer/engine.py",), params=("self", "pipe_schedule"),
+          source=(("train_batch", ("sched = self._train_schedule()", "self._exec_schedule(sched)")),)),
+    Touch(PIPE_ENGINE, "_train_schedule", "Returns our schedule (gpipe / 1f1b over slices) as a list of "
+          "steps; train_batch passes it to _exec_schedule untouched.", PIPE_SINCE, ("tp_trainer/engine.py",),
+          params=("self",)),
+    Touch(PIPE_ENGINE, "eval_batch", "Evaluation slice by slice (forward-only schedule); callers pass "
+          "data_iter and num_micro_batches only.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"),
+          params=("self", "data_iter")),
+    Touch(DS_ENGINE, "clip_fp32_gradients", "Clipping by the norm of the whole pipeline, not of one stage: "
+          "DeepSpeed calls it from _take_model_step for fp32 without ZeRO.", "checked 0.19.8",
+          ("tp_trainer/engine.py",), params=("self",),
+          source=(("_take_model_step", ("self.clip_fp32_gradients()",)),)),
+    Touch(PIPE_MODULE, "_partition_layers", "Stage boundaries from our cost-balanced StageSplit; "
+          "PipelineModule.__init__ calls it by name after the topology is known.", PIPE_SINCE,
+          ("tp_trainer/model/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
+          source=(("__init__", ("self._partition_layers(method=partition_method)",)),)),
+)
+
+TOUCHES = (
+    # ------------------------------------------------------------------ PipelineEngine: step protocol
+    Touch(PIPE_ENGINE, "train_batch", "Resets total_loss, runs _train_schedule through _exec_schedule "
+          "and aggregates the loss with _aggregate_total_loss: our schedule must feed total_loss.",
+          PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"), params=("self", "data_iter"),
+          source=(("train_batch", ("self.total_loss = None", "self.agg_train_loss = self._aggregate_total_loss()")),)),
+    Touch(PIPE_ENGINE, "_aggregate_total_loss", "Reads total_loss (set by ds_compat.record_slice_loss), "
+          "scales it by gradient accumulation, averages over replicas, broadcasts from the last stage.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
+          source=(("_aggregate_total_loss", ("self._scale_loss_by_gas(self.total_loss)",)),)),
+    Touch(PIPE_ENGINE, "fwd_outputs", "One detached loss per forward; _exec_schedule resets it (ours too) "
+          "and eval_batch reads it.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/ds_compat/__init__.py"),
+          instance_attr=True, source=(("_exec_schedule", ("self.fwd_outputs = []",)),)),
+    Touch(PIPE_ENGINE, "_next_batch", "Next item of the data iterator through batch_fn (ds_compat.next_batch).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
+          source=(("_next_batch", ("next(self.data_iterator)",)),)),
+    Touch(PIPE_ENGINE, "_exec_reduce_tied_grads", "Tied-weight gradient all-reduce between stages, bf16's "
+          "_hp_grad included (ds_compat.reduce_tied_grads).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
+          params=("self",), source=(("_exec_reduce_tied_grads", ("self.module.get_tied_weights_and_groups()",)),)),
+    Touch(PIPE_ENGINE, "_exec_reduce_grads", "Data-parallel reduction at a forced accumulation boundary "
+          "(ds_compat.reduce_grads); tests wrap it to capture gradients.", PIPE_SINCE,
+          ("tp_trainer/ds_compat/__init__.py", "tests/exactness_worker.py"), params=("self",),
+          source=(("_exec_reduce_grads", ("self._force_grad_boundary = True",)),)),
+    Touch(PIPE_ENGINE, "_exec_optimizer_step", "Optimizer step at a forced accumulation boundary "
+          "(ds_compat.optimizer_step); tests wrap it on the instance.", PIPE_SINCE,
+          ("tp_trainer/ds_compat/__init__.py", "tests/exactness_worker.py", "tests/pipeline_harness.py"),
+          params=("self", "lr_kwargs"), source=(("_exec_optimizer_step", ("self._take_model_step(lr_kwargs)",)),)),
+    Touch(PIPE_ENGINE, "_bcast_pipe_scalar", "Evaluation loss from the last stage to every stage "
+          "(ds_compat.broadcast_loss).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
+          params=("self", "data", "src_rank", "dtype")),
+    Touch(PIPE_ENGINE, "using_bf16_optimizer", "Set in __init__ when DeepSpeed wrapped the optimizer in "
+          "BF16_Optimizer (ds_compat.uses_bf16_optimizer).", "0.6.x (BF16_Optimizer), checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py", "tp_trainer/engine.py"), instance_attr=True,
+          source=(("__init__", ("self.using_bf16_optimizer = type(self.optimizer) == BF16_Optimizer",)),)),
+    Touch(PIPE_ENGINE, "_exec_backward_pass", "ds_compat.inner_stage_backward mirrors its inner-stage "
+          "branch; if DeepSpeed changes that protocol, the mirror must follow.",
+          "0.18.x (PR #7787 added _running_engine_backward; PR #5605 the immediate_grad_update guard)",
+          ("tp_trainer/ds_compat/__init__.py",), params=("self", "buffer_id"),
+          source=(("_exec_backward_pass", ("self.optimizer.clear_lp_grads()", "self._running_engine_backward = True",
+                                           "if not self._config.bfloat16_config.immediate_grad_update:",
+                                           "self.optimizer.update_hp_grads(clear_lp_grads=False)",
+                                           "self._running_engine_backward = False")),)),
+    Touch(PIPE_ENGINE, "pipeline topology attributes", "micro_batches, micro_batch_size, grid, stage_id, "
+          "num_stages, is_pipe_parallel, is_data_parallel are set in PipelineEngine.__init__.", PIPE_SINCE,
+          ("tp_trainer/engine.py", "tp_trainer/run.py"), instance_attr=True,
+          source=(("__init__", ("self.micro_batch_size = self.train_micro_batch_size_per_gpu()",
+                                "self.micro_batches = self.gradient_accumulation_steps()",
+                                "self.grid = self.module._grid", "self.stage_id = self.grid.get_stage_id()",
+                                "self.num_stages = self.grid.pipe_parallel_size",
+                                "self.is_pipe_parallel =", "self.is_data_parallel =")),)),
+    # ------------------------------------------------------------------ DeepSpeedEngine
+    Touch(DS_ENGINE, "forward", "Called unbound on the PipelineEngine (whose forward raises) for one "
+          "slice (ds_compat.stage_forward).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
+          params=("self", "inputs")),
+    Touch(DS_ENGINE, "backward", "Called unbound on the last stage's slice loss (ds_compat.loss_backward).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "loss")),
+    Touch(DS_ENGINE, "_running_engine_backward", "Flag that DeepSpeed's post-backward hook reads to tell "
+          "the engine's backward from a user's tensor.backward() (ds_compat.inner_stage_backward).",
+          "0.18.x (PR #7787, 2026-01)", ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          source=(("__init__", ("self._running_engine_backward = False",)),
+                  ("_backward_post_hook", ("if not self._running_engine_backward:",)))),
+    Touch(DS_ENGINE, "_config", "The engine's DeepSpeedConfig; we read bfloat16_config.immediate_grad_update.",
+          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          source=(("__init__", ("self._config = config_class",)),)),
+    Touch("deepspeed.runtime.precision_config:DeepSpeedBF16Config", "immediate_grad_update", "With it the "
+          "bf16 optimizer folds grads in hooks, so an inner stage must not call update_hp_grads.",
+          "0.14.x (PR #5605), checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",)),
+    Touch(DS_ENGINE, "_global_grad_norm", "What get_global_grad_norm reports; set after our whole-pipeline "
+          "clipping (ds_compat.set_global_grad_norm).", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
+          instance_attr=True, source=(("get_global_grad_norm", ("return self._global_grad_norm",)),)),
+    Touch(DS_ENGINE, "tput_timer", "Throughput timer, started once per schedule as DeepSpeed's forward "
+          "pass does.", "checked 0.19.8", ("tp_trainer/engine.py",), instance_attr=True,
+          source=(("__init__", ("self.tput_timer = ThroughputTimer(",)),)),
+    Touch(DS_ENGINE, "__init__", "initialize.py builds the engine with these keywords (model, optimizer, "
+          "model_parameters, training_data, lr_scheduler, mpu, dist_init_required, collate_fn, config, "
+          "config_class).", "checked 0.19.8", ("tp_trainer/initialize.py",),
+          params=("self", "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                  "mpu", "dist_init_required", "collate_fn", "config", "config_class")),
+    # ------------------------------------------------------------------ BF16_Optimizer
+    Touch(BF16, "clear_lp_grads", "Before an inner stage's backward (ds_compat.inner_stage_backward).",
+          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "set_to_none")),
+    Touch(BF16, "update_hp_grads", "After an inner stage's backward (ds_compat.inner_stage_backward).",
+          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "clear_lp_grads")),
+    Touch(BF16, "_load_legacy_checkpoint", "run.check_checkpointable refuses bf16 without ZeRO with "
+          "checkpoints because this method fails on DeepSpeed's own save (KeyError: 0); lift the guard "
+          "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/run.py",)),
+    # ------------------------------------------------------------------ PipelineModule
+    Touch(PIPE_MODULE, "_topo", "Process topology, set before _partition_layers (ds_compat.stage_of_rank).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "benchmarks/_compare_models.py"), instance_attr=True,
+          source=(("__init__", ("self._topo = topology",
+                                "self.global_rank = dist.get_rank(group=self.world_group)")),)),
+    Touch(PIPE_MODULE, "_set_bounds", "The layer range [start, stop) of this rank (ds_compat.set_layer_bounds).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "benchmarks/_compare_models.py"),
+          params=("self", "start", "stop")),
+    Touch(PIPE_MODULE, "tied_comms", "Per tie key: ranks, weight_attr, module (ds_compat.tied_duplicate_weights).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          source=(("__init__", ("self.tied_comms = self._index_tied_modules()",)),
+                  ("_index_tied_modules", ("'ranks': tied_ranks", "'weight_attr': self.tied_weight_attrs[key]",
+                                           "'module': self.tied_modules[key]")))),
+    Touch(PIPE_MODULE, "_recursive_getattr", "Resolves a tied weight attribute such as 'inner.weight'.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("module", "attr_name")),
+    Touch(PIPE_MODULE, "forward_funcs", "This stage's built layers in order (deferred weight gradients, "
+          "profiling).", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/planner/profile.py"), instance_attr=True,
+          source=(("_build", ("self.forward_funcs.append(",)),)),
+    Touch(PIPE_MODULE, "ckpt_layer_path", "Checkpoint files are layer_{idx:02d}[-rank]-model_states.pt; "
+          "export.layer_file reads them by that name.", "checked 0.19.8", ("tp_trainer/export.py",),
+          source=(("ckpt_layer_path", ("f'layer_{idx:02d}'", "'-model_states.pt'")),)),
+    Touch(PIPE_MODULE, "__init__", "TeraPipeModule passes layers, num_stages, partition_method.", PIPE_SINCE,
+          ("tp_trainer/model/pipeline.py",), params=("self", "layers", "num_stages")),
+    # ------------------------------------------------------------------ layout-free optimizer state
+    Touch(ZERO, "_lazy_init_hp_params_optimizer_state", "Links each parameter's fragment views of the flat "
+          "fp32 partition's optimizer state (bit16_groups[i], single_partition_of_fp32_groups[i]) once, "
+          "until _hp_optimizer_states_linked is cleared (ds_compat.link_optimizer_state).", "checked 0.19.8",
+          (STATE,), params=("self",), source=(("_lazy_init_hp_params_optimizer_state", (
+              "if not self._hp_optimizer_states_linked:", "self._hp_optimizer_states_linked = True",
+              "self.bit16_groups[i], self.single_partition_of_fp32_groups[i]")),)),
+    Touch(BF16, "_lazy_init_hp_params_optimizer_state", "As for ZeRO, over bf16_groups[i] and "
+          "fp32_groups_flat_partition[i] (ds_compat.link_optimizer_state).", "checked 0.19.8", (STATE,),
+          params=("self",), source=(("_lazy_init_hp_params_optimizer_state", (
+              "if not self._hp_optimizer_states_linked:", "self._hp_optimizer_states_linked = True",
+              "self.bf16_groups[i], self.fp32_groups_flat_partition[i]")),)),
+    Touch(ZERO, "_hp_optimizer_states_linked", "Cleared after writing the partition's state so the next "
+          "link rebuilds the views (ds_compat.relink_optimizer_state).", "checked 0.19.8", (STATE,),
+          instance_attr=True,
+          source=(("_lazy_init_hp_params_optimizer_state", ("if not self._hp_optimizer_states_linked:",)),)),
+    Touch("deepspeed.utils.mixed_precision_linkage", "_hp_mapping", "Per parameter: its fragment of the flat "
+          "fp32 partition, or None on ranks without one (ds_compat.hp_mapping).", "checked 0.19.8", (STATE,),
+          instance_attr=True, source=(("link_hp_params", ("lp_param._hp_mapping = get_hp_fragment_mapping(",)),
+                                      ("_init_lp_to_hp_mapping", ("lp_param._hp_mapping = None",)))),
+    Touch(f"{FRAGMENT}:tensor_fragment", "lp_fragment_address", "Where the fragment lies in the parameter.",
+          "checked 0.19.8", (STATE,)),
+    Touch(f"{FRAGMENT}:tensor_fragment", "hp_fragment_address", "Where the fragment lies in the partition.",
+          "checked 0.19.8", (STATE,)),
+    Touch(f"{FRAGMENT}:fragment_address", "start", "Offset of a fragment address (with numel).",
+          "checked 0.19.8", (STATE,)),
+    Touch(f"{FRAGMENT}:fragment_address", "numel", "Length of a fragment address (with start).",
+          "checked 0.19.8", (STATE,)),
+    Touch("deepspeed.utils", "safe_get_full_fp32_param", "Whole fp32 weight of a partitioned parameter "
+          "(collective).", "checked 0.19.8", (STATE,), params=("param",)),
+    Touch("deepspeed.utils", "safe_set_full_fp32_param", "Writes a whole fp32 weight into its fragments.",
+          "checked 0.19.8", (STATE,), params=("param", "value")),
+    Touch("deepspeed.utils", "safe_get_full_optimizer_state", "Whole optimizer-state tensor of a partitioned "
+          "parameter (collective).", "checked 0.19.8", (STATE,), params=("param", "optim_state_key")),
+    # ------------------------------------------------------------------ topology, comm, config
+    Touch(GRID, "stage_to_global", "Global rank of a stage in this replica, keyword stage_id.", PIPE_SINCE,
+          ("tp_trainer/engine.py",), params=("self", "stage_id")),
+    Touch(GRID, "data_parallel_id", "This rank's replica index (data sharding, HF export writer).", PIPE_SINCE,
+          ("tp_trainer/run.py", "tp_trainer/checkpoint/hf_save.py", "tests/exactness_worker.py"), instance_attr=True,
+          source=(("__init__", ("self.data_parallel_id = self.get_data_parallel_id()",)),)),
+    Touch("deepspeed.runtime.pipe.topology:PipeDataParallelTopology", "__init__", "The stage of a rank before "
+          "any module exists (checkpoint.hf_load).", PIPE_SINCE, ("tp_trainer/checkpoint/hf_load.py",),
+          params=("self", "num_pp", "num_dp")),
+    Touch("deepspeed.runtime.pipe.topology:ProcessTopology", "get_coord", "rank -> coordinate with .pipe.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "tp_trainer/checkpoint/hf_load.py"),
+          params=("self", "rank")),
+    Touch("deepspeed", "set_optimizer_flags", "deepspeed.initialize's own step before building the engine, "
+          "which initialize.py repeats since it builds the engine itself.", "checked 0.19.8",
+          ("tp_trainer/initialize.py",), params=("config_class", "model")),
+    Touch("deepspeed.runtime.config:DeepSpeedConfig", "__init__", "Built from the dict and the module's mpu.",
+          "checked 0.19.8", ("tp_trainer/initialize.py",), params=("self", "config", "mpu")),
+    Touch("deepspeed.comm", "isend", "Non-blocking send returning a work handle (p2p.Transfers).",
+          "checked 0.19.8", ("tp_trainer/p2p.py",), params=("tensor", "dst")),
+    Touch("deepspeed.comm", "irecv", "Non-blocking receive posted ahead (p2p.Transfers).", "checked 0.19.8",
+          ("tp_trainer/p2p.py",), params=("tensor", "src")),
+    Touch("deepspeed.runtime.pipe.p2p", "send", "Blocking stage-to-stage send in a test's forward.", PIPE_SINCE,
+          ("tests/checkpoint_worker.py",), params=("tensor", "dest_stage")),
+    Touch("deepspeed.runtime.pipe.p2p", "recv", "Blocking stage-to-stage receive in a test's forward.",
+          PIPE_SINCE, ("tests/checkpoint_worker.py",), params=("tensor", "src_stage")),
+)
