@@ -73,14 +73,6 @@ def private_uses(source: str, names: set[str], allowed: set[str]) -> list[tuple[
             if isinstance(node, ast.Attribute) and node.attr in names and node.attr not in allowed]
 
 
-# Touches listed in ds_compat whose module still makes them itself, to be routed through ds_compat's
-# functions (link_optimizer_state, hp_mapping, relink_optimizer_state) by that module's owner.
-NOT_YET_ROUTED = {
-    "tp_trainer/checkpoint/optimizer_state.py": {"_lazy_init_hp_params_optimizer_state", "_hp_mapping",
-                                                 "_hp_optimizer_states_linked"},
-}
-
-
 def test_only_ds_compat_touches_private_deepspeed_members():
     """Elsewhere in the package a private DeepSpeed member is reached through ds_compat; calling one of
     our own overrides by name (``self._exec_schedule``) is fine."""
@@ -89,18 +81,9 @@ def test_only_ds_compat_touches_private_deepspeed_members():
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = str(path.relative_to(PACKAGE.parent))
         if "ds_compat" not in path.parts:
-            allowed = overrides | NOT_YET_ROUTED.get(relative, set())
             found += [f"{relative}:{line}: .{name}"
-                      for line, name in private_uses(path.read_text(encoding="utf-8"), names, allowed)]
+                      for line, name in private_uses(path.read_text(encoding="utf-8"), names, overrides)]
     assert not found, "private DeepSpeed members used outside tp_trainer/ds_compat:\n" + "\n".join(found)
-
-
-def test_not_yet_routed_entries_are_still_needed():
-    """Once a module calls ds_compat instead, its entry must go (the scan then covers it again)."""
-    names = deepspeed_private_names()
-    for relative, allowed in NOT_YET_ROUTED.items():
-        used = {name for _, name in private_uses((PACKAGE.parent / relative).read_text(encoding="utf-8"), names, set())}
-        assert allowed <= used, f"{relative} no longer uses {sorted(allowed - used)}: remove them from NOT_YET_ROUTED"
 
 
 # ----------------------------------------------------------------------------- mutation checks

@@ -16,7 +16,7 @@ Three kinds of touch:
 - members used outside the package (tests, benchmarks) or by modules that keep their own call,
   listed with ``used_by`` so an upgrade shows every place to look at.
 
-Pinned and checked: DeepSpeed ``PINNED`` (``requirements``). ``since`` is the first release we know
+Pinned and checked: DeepSpeed ``PINNED`` (pyproject.toml). ``since`` is the first release we know
 to have the member in the form we rely on (from DeepSpeed's history where we looked it up;
 "checked 0.19.8" where we only know the pinned version).
 """

@@ -81,11 +81,11 @@ TOUCHES = (
           params=("self",), source=(("_exec_reduce_tied_grads", ("self.module.get_tied_weights_and_groups()",)),)),
     Touch(PIPE_ENGINE, "_exec_reduce_grads", "Data-parallel reduction at a forced accumulation boundary "
           "(ds_compat.reduce_grads); tests wrap it to capture gradients.", PIPE_SINCE,
-          ("tp_trainer/ds_compat/__init__.py", "tests/exactness_worker.py"), params=("self",),
+          ("tp_trainer/ds_compat/__init__.py", "tests/pipeline_harness.py"), params=("self",),
           source=(("_exec_reduce_grads", ("self._force_grad_boundary = True",)),)),
     Touch(PIPE_ENGINE, "_exec_optimizer_step", "Optimizer step at a forced accumulation boundary "
           "(ds_compat.optimizer_step); tests wrap it on the instance.", PIPE_SINCE,
-          ("tp_trainer/ds_compat/__init__.py", "tests/exactness_worker.py", "tests/pipeline_harness.py"),
+          ("tp_trainer/ds_compat/__init__.py", "tests/pipeline_harness.py"),
           params=("self", "lr_kwargs"), source=(("_exec_optimizer_step", ("self._take_model_step(lr_kwargs)",)),)),
     Touch(PIPE_ENGINE, "_bcast_pipe_scalar", "Evaluation loss from the last stage to every stage "
           "(ds_compat.broadcast_loss).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
@@ -145,7 +145,7 @@ TOUCHES = (
           "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "clear_lp_grads")),
     Touch(BF16, "_load_legacy_checkpoint", "run.check_checkpointable refuses bf16 without ZeRO with "
           "checkpoints because this method fails on DeepSpeed's own save (KeyError: 0); lift the guard "
-          "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/run.py",)),
+          "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/checks.py",)),
     # ------------------------------------------------------------------ PipelineModule
     Touch(PIPE_MODULE, "_topo", "Process topology, set before _partition_layers (ds_compat.stage_of_rank).",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "benchmarks/_compare_models.py"), instance_attr=True,
@@ -207,7 +207,8 @@ TOUCHES = (
     Touch(GRID, "stage_to_global", "Global rank of a stage in this replica, keyword stage_id.", PIPE_SINCE,
           ("tp_trainer/engine.py",), params=("self", "stage_id")),
     Touch(GRID, "data_parallel_id", "This rank's replica index (data sharding, HF export writer).", PIPE_SINCE,
-          ("tp_trainer/run.py", "tp_trainer/checkpoint/hf_save.py", "tests/exactness_worker.py"), instance_attr=True,
+          ("tp_trainer/run.py", "tp_trainer/checkpoint/hf_save.py", "tp_trainer/checkpoint/layout_free.py",
+           "tests/pipeline_harness.py"), instance_attr=True,
           source=(("__init__", ("self.data_parallel_id = self.get_data_parallel_id()",)),)),
     Touch("deepspeed.runtime.pipe.topology:PipeDataParallelTopology", "__init__", "The stage of a rank before "
           "any module exists (checkpoint.hf_load).", PIPE_SINCE, ("tp_trainer/checkpoint/hf_load.py",),
