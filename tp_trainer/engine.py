@@ -52,8 +52,10 @@ class PipelineFailure(RuntimeError):
 
 
 def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
-    """Cross-entropy summed over the slice's tokens, in fp32, divided by a microbatch's tokens."""
-    summed = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    """Cross-entropy summed over the slice's tokens, in fp32 (or float64 for a float64 model), divided by
+    a microbatch's tokens."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     return summed / tokens_per_microbatch
 
 
@@ -140,9 +142,13 @@ class TeraPipeEngine(PipelineEngine):
         return (self.plan.microbatch_size, self.plan.slices[j], self.hidden_size)
 
     def _compute_dtype(self) -> torch.dtype:
+        """dtype of the activations and gradients between stages: bf16 / fp16 when enabled, else
+        the parameters' own (fp32, or float64 for the exactness tests' end-to-end float64 runs)."""
         if self.bfloat16_enabled():
             return torch.bfloat16
-        return torch.half if self.fp16_enabled() else torch.float32
+        if self.fp16_enabled():
+            return torch.half
+        return next(self.module.parameters()).dtype
 
     # ----------------------------------------------------------------------------- clipping
     def clip_fp32_gradients(self):
@@ -154,7 +160,8 @@ class TeraPipeEngine(PipelineEngine):
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         duplicates = {id(p) for p in self._tied_duplicates()}
-        counted = [p.grad.detach().float() for p in params if id(p) not in duplicates]
+        counted = [p.grad.detach().to(torch.promote_types(p.grad.dtype, torch.float32))
+                   for p in params if id(p) not in duplicates]
         # torch's fused per-list norm: ~2x faster here than a pow + sum per tensor
         squares = get_total_norm(counted).square() if counted else torch.zeros((), device=self.device)
         if self.is_pipe_parallel:
@@ -299,7 +306,8 @@ class TeraPipeEngine(PipelineEngine):
             if mean is not None and self.is_data_parallel:
                 dist.all_reduce(mean, group=self.mpu.get_data_parallel_group())
                 mean /= self.dp_world_size
-            return ds_compat.broadcast_loss(self, mean)
+            # float64: exact for an fp32 loss, and keeps a float64 model's loss whole
+            return ds_compat.broadcast_loss(self, mean, dtype=torch.float64)
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train(was_training)
