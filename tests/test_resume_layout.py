@@ -203,10 +203,16 @@ def refused(out, config: str, ranks: int, *flags) -> str:
 
 
 def write_tiny_llama(directory) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer Llama-style checkpoint with a word-level tokenizer (save_pretrained)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=0, eos_token_id=0)
     LlamaForCausalLM(config).save_pretrained(directory)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", unk_token="w0").save_pretrained(directory)
 
 
 @needs_launcher
