@@ -129,6 +129,16 @@ def launcher_env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def deepspeed_command(*args: str) -> list[str]:
+    """2 ranks on a free port: another launch on the default port (a test run beside this one)
+    would otherwise meet these ranks' process group."""
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(port), *args]
+
+
 @pytest.fixture(scope="module")
 def shared_launch(inputs, tmp_path_factory):
     """Every case in one 2-rank launch; returns (results dir, {case id: output dir})."""
@@ -136,7 +146,7 @@ def shared_launch(inputs, tmp_path_factory):
     outs = {case[0]: str(results / f"{case[0]}-out") for case in [*CASES, TRAINS]}
     cases = [{"id": case, "argv": argv(flags, inputs, outs[case])} for case, flags, *_ in [*CASES, TRAINS]]
     (results / "cases.json").write_text(json.dumps(cases))
-    cmd = ["deepspeed", "--num_gpus", "2", "tests/bad_input_worker.py", str(results / "cases.json"), str(results)]
+    cmd = deepspeed_command("tests/bad_input_worker.py", str(results / "cases.json"), str(results))
     proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return results, outs
@@ -192,7 +202,7 @@ def test_launcher_exit_code_and_output(inputs, tmp_path):
     exit code 2, one error line, no traceback or "Connection closed" while the ranks exit."""
     _, flags, expected, reporter = next(c for c in CASES if c[0] == "stage1_tensor_missing")
     out = str(tmp_path / "out")
-    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", *argv(flags, inputs, out)]
+    cmd = deepspeed_command("launch/train.py", *argv(flags, inputs, out))
     proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-4000:]

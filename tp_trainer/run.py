@@ -125,7 +125,8 @@ def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
     if rank == 0:
         log.info("data: %s", dataset.summary())
         log.info("data: %s", validation.summary())
-    engine, *_ = initialize(meta_model(config), checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline)
+    model = together("building the model", meta_model, config)
+    engine, *_ = initialize(model, checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline)
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
     together("checking the validation set", check_validation_size, engine, validation, args.eval_batches)
     resume_from = spec.resume_from

@@ -66,7 +66,8 @@ class DataArgs:
     train_file: Optional[str] = None
     """Local training file: .txt/.text (text), .json/.jsonl (json lines), .csv or .parquet."""
     validation_file: Optional[str] = None
-    """Local validation file (same formats). Unset: `validation_fraction` of train is held out."""
+    """Local validation file (same formats), with any training source (a file, a hub dataset or the
+    embedded corpus). Unset: `validation_fraction` of train is held out."""
     text_column: str = "text"
     """Column holding the document text (json/csv/parquet/hub)."""
     text_sample_by: str = "paragraph"
