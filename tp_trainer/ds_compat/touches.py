@@ -143,7 +143,7 @@ TOUCHES = (
           "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "set_to_none")),
     Touch(BF16, "update_hp_grads", "After an inner stage's backward (ds_compat.inner_stage_backward).",
           "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "clear_lp_grads")),
-    Touch(BF16, "_load_legacy_checkpoint", "run.check_checkpointable refuses bf16 without ZeRO with "
+    Touch(BF16, "_load_legacy_checkpoint", "checks.check_checkpointable refuses bf16 without ZeRO with "
           "checkpoints because this method fails on DeepSpeed's own save (KeyError: 0); lift the guard "
           "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/checks.py",)),
     # ------------------------------------------------------------------ PipelineModule
