@@ -11,6 +11,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# A DeepSpeed op build killed midway leaves torch's lock file behind, and every later build or load
+# of that op then waits on it forever; a real build takes under a minute.
+find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock -mmin +15 -delete 2>/dev/null || true
 stamp=".venv/.tp_trainer-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   python -m pip install -q --upgrade pip
