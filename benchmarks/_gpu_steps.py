@@ -40,10 +40,9 @@ def _on(device, batches):
     return [(ids.to(device), labels.to(device)) for ids, labels in batches]
 
 
-def _reference(ec, harness, case, device, dtype=None):
-    """The plain HF model trained like the pipeline, on ``device`` (dtype: the harness's cases' own
-    default when None)."""
-    model = ec.tiny_model(case["tied"]) if dtype is None else ec.tiny_model(case["tied"], dtype=dtype)
+def _reference(ec, harness, case, device, dtype):
+    """The plain HF model trained like the pipeline, on ``device``, in ``dtype``."""
+    model = ec.tiny_model(case["tied"], dtype=dtype)
     return harness.reference(model.to(device), lambda step: _on(device, ec.batches(case, step)), ec.STEPS,
                              _on(device, ec.batches(case, ec.EVAL_STEP)))
 
@@ -51,14 +50,11 @@ def _reference(ec, harness, case, device, dtype=None):
 def judge_case(ec, harness, merged: dict, case: dict, device) -> dict:
     """The harness's verdict on one case: {"case", "passed", "worst" | "error"}."""
     try:
-        if hasattr(harness, "check_float32"):  # float64 end to end + fp32 against the float64 HF run
-            exact = _reference(ec, harness, case, device, torch.float64)
-            worst = {"float64": harness.check_float64(merged[case["name"] + "@f64"], exact),
-                     "fp32_ratio": harness.check_float32(merged[case["name"] + "@f32"],
-                                                         _reference(ec, harness, case, device, torch.float32),
-                                                         exact)}
-        else:
-            worst = harness.compare(merged[case["name"]], _reference(ec, harness, case, device))
+        # float64 end to end + fp32 against the float64 HF run
+        exact = _reference(ec, harness, case, device, torch.float64)
+        worst = {"float64": harness.check_float64(merged[case["name"] + "@f64"], exact),
+                 "fp32_ratio": harness.check_float32(merged[case["name"] + "@f32"],
+                                                     _reference(ec, harness, case, device, torch.float32), exact)}
         return {"case": case["name"], "passed": True, "worst": worst}
     except AssertionError as err:
         return {"case": case["name"], "passed": False, "error": str(err)[:400]}
@@ -81,8 +77,7 @@ def step_exactness(device) -> dict:
     status = "failed" if failed else "passed"
     print(f"[gpu_check] step 1 exactness: {status}, {len(verdicts) - len(failed)}/{len(verdicts)} cases", flush=True)
     return {"name": "1 exactness, 1 stage, fp32 (TF32 off) vs HF", "status": status, "cases": verdicts,
-            "criteria": "tests/pipeline_harness.py (" + ("check_float64 + check_float32" if hasattr(
-                harness, "check_float32") else "compare") + ")"}
+            "criteria": "tests/pipeline_harness.py (check_float64 + check_float32)"}
 
 
 def run_precision(precision: str, steps: int) -> dict:
