@@ -1,0 +1,136 @@
+"""compare.py's figures: one run's summary, and the median over runs with their spread and goals.
+
+A *run* is one process pair that trains every variant in turn (compare.py's worker). The figure to
+steer by is (c)/(a) throughput: (a) does the same work as (c) with no overlap, so
+(c)/(a) = K x (c)'s efficiency against (a)/K, and its limit is K. Beside it, (c)'s efficiency is
+given against three ideals, each noisy in its own way: (a)/K, (d)/K (one process, the whole model)
+and the stage probe (each stage's units of (c)'s plan, timed with all stages computing at once, as
+in the step). Every figure is the median over runs; the spread is min-max over runs.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+A, C, D = "(a) DeepSpeed 1F1B", "(c) TeraPipe DP", "(d) 1 process"
+
+
+def ratio_goal(args) -> float:
+    """Issue 13's (c)/(a) goal for this case (issue 12's at 8k tokens)."""
+    if args.goal is not None:
+        return args.goal
+    if args.seq_len >= 8192:
+        return 1.9
+    if args.batch >= 4:
+        return 1.3
+    if args.n_layer == 8 and args.n_embd == 512:
+        return 1.85
+    return 1.8
+
+
+def step_times(args, res: dict) -> dict:
+    """Per variant, the timed steps: a pipelined step lasts until its slowest rank is done; (d) is rank 0's."""
+    ranks = res["ranks"]
+    return {n: [max(r["wall"][n][i] for r in ranks) if n != D else ranks[0]["wall"][n][i]
+                for i in range(args.steps)] for n in res["names"]}
+
+
+def summarize_run(args, res: dict) -> dict:
+    """One run's figures."""
+    k, steps = args.stages, step_times(args, res)
+    med = {n: statistics.median(v) for n, v in steps.items()}
+    probe = [r["probe"] for r in sorted(res["ranks"], key=lambda r: r["stage"])]
+    probe_ideal = max(p["together"] for p in probe)  # the busiest stage's units, all stages computing
+    best_b = min((n for n in res["names"] if n.startswith("(b)")), key=med.get, default=None)
+    return {"median_s": med, "min_s": {n: min(v) for n, v in steps.items()}, "step_s": steps,
+            "c_over_a": med[A] / med[C],
+            "c_over_a_paired": statistics.median(a / c for a, c in zip(steps[A], steps[C], strict=True)),
+            "eff_vs_a": med[A] / k / med[C], "eff_vs_d": med[D] / k / med[C],
+            "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
+            "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
+            "load_max": max(res["load_1min"]), "timeline": res["timeline"],
+            "predicted_s": res["predicted_s"], "slices": res["slices"],
+            "first_loss": {n: res["losses"][n][0] for n in res["names"]}}
+
+
+def _spread(values) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def render(args, names: list, runs: list[dict], wall_s: float, load_before: float, plan_report: str):
+    """(report dict, markdown text) over all runs."""
+    k, tokens = args.stages, args.batch * args.seq_len
+    med = {n: statistics.median(r["median_s"][n] for r in runs) for n in names}
+    mins = {n: min(r["min_s"][n] for r in runs) for n in names}
+    ratio = [r["c_over_a"] for r in runs]
+    goal = ratio_goal(args)
+    best_b = min((n for n in names if n.startswith("(b)")), key=med.get, default=None)
+    goals = {f"c_over_a_median_ge_{goal}": statistics.median(ratio) >= goal,
+             "c_not_slower_than_any_b": best_b is None or med[C] <= med[best_b],
+             "c_predicted_within_10pct": _predicted_error(runs[-1], C) is not None
+             and abs(_predicted_error(runs[-1], C)) <= 0.10}
+    yes = {True: "met", False: "NOT met"}
+    lines = [(f"GPT-2 {args.n_layer} x {args.n_embd} ({args.n_head} heads, vocab {args.vocab_size}, dropout 0), "
+              f"{k} stages, batch {args.batch} x seq {args.seq_len} = {tokens} tokens/step, microbatch size 1, "
+              f"1 thread/rank, random tokens, AdamW; {len(runs)} runs (fresh process pairs) x ({args.warmup} "
+              f"warm-up + {args.steps} timed steps per variant), variants taking turns step by step"), "",
+             ("| variant | slices | tokens/s | step s (median of run medians) | fastest step s | ratio to (a) "
+              "| efficiency vs (d)/K | predicted s | first-step loss |"), "|---|---|---|---|---|---|---|---|---|"]
+    last = runs[-1]
+    for n in names:
+        s = last["slices"].get(n)
+        shown = "-" if s is None else (str(s) if len(s) <= 6 else f"{len(s)} x ~{round(statistics.mean(s))}")
+        pred = last["predicted_s"].get(n)
+        lines.append(f"| {n} | {shown} | {tokens / med[n]:.0f} | {med[n]:.3f} | {mins[n]:.3f} | "
+                     f"{med[A] / med[n]:.2f} | {med[D] / k / med[n]:.2f} | "
+                     f"{'-' if pred is None else f'{pred:.3f}'} | {last['first_loss'][n]:.6f} |")
+    lines += ["", "| run | load 1 min (median / max) | (a) s | (c) s | (c)/(a) | (c)/(a) paired | eff vs (a)/K "
+                  "| eff vs (d)/K (median / fastest) | eff vs stage probe |", "|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(runs, 1):
+        lines.append(f"| {i} | {r['load']:.2f} / {r['load_max']:.2f} | {r['median_s'][A]:.3f} | "
+                     f"{r['median_s'][C]:.3f} | {r['c_over_a']:.2f} | {r['c_over_a_paired']:.2f} | "
+                     f"{r['eff_vs_a']:.2f} | {r['eff_vs_d']:.2f} / {r['eff_vs_d_min']:.2f} | {r['eff_vs_probe']:.2f} |")
+    error = _predicted_error(last, C)
+    lines += ["", (f"(c)/(a) throughput, median (min-max) over {len(runs)} runs: {_spread(ratio)}; "
+                   f"efficiency of (c) vs (a)/K {_spread([r['eff_vs_a'] for r in runs])}, vs (d)/K "
+                   f"{_spread([r['eff_vs_d'] for r in runs])}, vs the stage probe "
+                   f"{_spread([r['eff_vs_probe'] for r in runs])}"),
+              _probe_line(last), _timeline_line(last),
+              (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
+               f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "
+               f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"),
+              (f"goals: (c)/(a) >= {goal} (median of runs): {yes[goals[f'c_over_a_median_ge_{goal}']]} "
+               f"({statistics.median(ratio):.2f}); (c) not slower than any (b): "
+               f"{yes[goals['c_not_slower_than_any_b']]} ({med[C]:.3f} vs "
+               f"{med[best_b] if best_b else float('nan'):.3f} s of {best_b}); predicted (c) step within 10%: "
+               f"{yes[goals['c_predicted_within_10pct']]} "
+               f"({'n/a' if error is None else f'{100 * error:+.1f}%'} in the last run)")]
+    report = {"setup": {a: getattr(args, a) for a in ("stages", "batch", "seq_len", "n_layer", "n_embd", "n_head",
+                                                       "vocab_size", "uniform", "steps", "warmup", "budget", "seed")},
+              "runs": runs, "median_s": med, "c_over_a": ratio, "goal": goal, "goals": goals,
+              "load_1min_before": load_before, "wall_s": wall_s, "plan_report": plan_report}
+    return report, "\n".join(lines)
+
+
+def _predicted_error(run: dict, name: str):
+    pred = run["predicted_s"].get(name)
+    return None if pred is None else pred / run["median_s"][name] - 1
+
+
+def _probe_line(run: dict) -> str:
+    probe = run["probe"]
+    parts = ", ".join(f"stage {i} {p['together']:.3f} s (fastest {p['together_min']:.3f}, alone "
+                      f"{p['alone']:.3f})" for i, p in enumerate(probe))
+    return (f"stage probe (last run; each stage's units of (c)'s plan, fwd + bwd + weight gradients, all stages "
+            f"at once, median of {probe[0]['rounds']}): {parts}")
+
+
+def _timeline_line(run: dict) -> str:
+    tl = run["timeline"]
+    per_stage = []
+    for stage, busy in tl["busy_s"].items():
+        work = ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in sorted(busy.items()))
+        per_stage.append(f"stage {stage}: {work}; idle or other {tl['step_s'] - sum(busy.values()):.3f} s, "
+                         f"tail after its last compute {tl['tail_s'][stage]:.3f} s")
+    return f"timeline step of (c) (median of 3, last run) {tl['step_s']:.3f} s: " + "; ".join(per_stage)
