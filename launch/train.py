@@ -25,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model_name_or_path", help="HF checkpoint: hub id or local save_pretrained directory")
     model.add_argument("--config_name", default="gpt2-tiny", help="preset for random init (see tp_trainer/model/presets.py)")
     model.add_argument("--tokenizer_name", help="HF tokenizer (hub id or local dir); default: the embedded BPE")
+    model.add_argument("--rope_scaling", help="rotary models: HF's rope_scaling as JSON, e.g. "
+                       "'{\"rope_type\": \"yarn\", \"factor\": 4.0}' (also linear, llama3), to fine-tune at "
+                       "--block_size beyond the checkpoint's positions; replaces its config.json's rope_parameters")
     data = parser.add_argument_group("data")
     data.add_argument("--dataset_name", help="hub dataset name")
     data.add_argument("--dataset_config_name", help="hub dataset config")

@@ -47,6 +47,9 @@ FAMILIES = {
               {**_LLAMA, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {**_LLAMA, "sliding_window": 5}),
 }
+# case override rope=NAME: HF's rope_scaling on a model of 8 positions, trained here at SEQ_LEN 16
+ROPE = {"yarn4": {"rope_type": "yarn", "factor": 4.0}, "linear2": {"rope_type": "linear", "factor": 2.0}}
+ROPE_POSITIONS = 8
 
 
 def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", **overrides):
@@ -61,7 +64,7 @@ def cases(stages: int) -> list[dict]:
     """The cases one launch of ``stages`` ranks (one pipeline) runs."""
     if stages == 1:
         return [_case("gpt_neo", True, "eager", 1), _case("opt", True, "sdpa", 1, word_embed_proj_dim=16),
-                _case("llama", False, "sdpa", 1)]
+                _case("llama", False, "sdpa", 1), _case("qwen2", True, "sdpa", 1, rope="linear2")]
     return [
         _case("gpt_neo", True, "eager"),      # GPT-Neo has only eager attention (and flash-attn-2)
         _case("gpt_neo", False, "eager", schedule="1f1b"),
@@ -73,6 +76,7 @@ def cases(stages: int) -> list[dict]:
         _case("llama", False, "eager", schedule="1f1b"),
         _case("qwen2", False, "sdpa"),
         _case("mistral", True, "eager"),
+        _case("llama", False, "sdpa", rope="yarn4"),   # beyond max_position_embeddings with YaRN
     ]
 
 
@@ -87,8 +91,10 @@ def tiny_model(case: dict, seed: int = 0):
     init, so zero-initialised biases and unit norm weights are random too."""
     import transformers
     config_cls, model_cls, kwargs = FAMILIES[case["family"]]
-    config = getattr(transformers, config_cls)(**{**kwargs, **case["overrides"]},
-                                               tie_word_embeddings=case["tied"])
+    overrides = dict(case["overrides"])
+    if "rope" in overrides:  # saved in config.json: from_pretrained and the pipeline both read it
+        overrides.update(rope_scaling=dict(ROPE[overrides.pop("rope")]), max_position_embeddings=ROPE_POSITIONS)
+    config = getattr(transformers, config_cls)(**{**kwargs, **overrides}, tie_word_embeddings=case["tied"])
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float()
     with torch.no_grad():

@@ -10,7 +10,8 @@
    pipeline_harness (float64: 1e-12 / 1e-9 with SDPA, 1e-6 / 1e-5 with eager attention; fp32: within
    10x the fp32 HF run's own distance from the float64 one). Tied and untied heads, SDPA and
    eager, GPT-Neo local attention (window 4), OPT with project_in/out and without the final norm,
-   Llama with grouped-query attention, Qwen2 / Mistral sliding windows shorter than the sequence.
+   Llama with grouped-query attention, Qwen2 / Mistral sliding windows shorter than the sequence,
+   RoPE scaling from config.json (Llama YaRN x4, Qwen2 linear x2) at 16 tokens on 8 positions.
 """
 
 import os

@@ -9,11 +9,12 @@ here too, and run inside ``failures.together`` so every rank stops at once.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
 from .data import DataArgs, check_tokenizer_source
-from .model.adapters import adapter_for
+from .model.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ def validate(args, world_size: int) -> RunSpec:
                         else (checkpoint, "--model_name_or_path"))
     check_tokenizer_source(*tokenizer_source)
     checked = checkpoint_config if checkpoint_config is not None else preset(args.config_name, vocab_size=1)
+    apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
     pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
     check_checkpointable(ds_config, args)
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
@@ -114,15 +116,6 @@ def check_checkpointable(ds_config: dict, args) -> None:
 
 # ---------------------------------------------------------------- the pipeline (also for initialize)
 
-def model_positions(config) -> int | None:
-    """The longest sequence the model's position embeddings allow (None: no fixed limit)."""
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    return None
-
-
 def model_depth(config) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layer
 
@@ -135,10 +128,9 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     except ValueError as err:
         raise ConfigError(str(err)) from None
     terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe"))
-    positions = model_positions(model_config)
-    if positions is not None and terapipe.seq_len > positions:
-        raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} exceeds the model's {positions} positions; "
-                          f"use a sequence length <= {positions}")
+    warning = check_positions(terapipe.seq_len, model_config)  # learned positions: raises when too short
+    if warning and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("tp_trainer").warning("%s", warning)
     check_precision(ds_config)
     stages = pipeline_stages(ds_config, world_size)
     depth = model_depth(model_config)

@@ -44,6 +44,7 @@ class RunArgs:
     validation_file: str | None = None
     text_column: str = "text"
     block_size: int | None = None
+    rope_scaling: str | None = None  # JSON of HF's rope_scaling, e.g. '{"rope_type": "yarn", "factor": 4.0}'
     max_steps: int = 30
     eval_interval: int = 10
     eval_batches: int = 4
