@@ -25,11 +25,15 @@ def cases(world: int) -> list[dict]:
     4 ranks: 2 stages x 2 data-parallel replicas with ZeRO-1, both orders, uneven slices, and
     without ZeRO; fp32 only: DeepSpeed's data-parallel reduction refuses float64 gradients
     ("unsupported grad type") and its ZeRO-1 optimizer keeps fp32 master weights.
+    Every case splits weight gradients into scheduled W's (zero-bubble placement, the default); the
+    "-nozb" cases (1f1b, 2 and 3 stages, and ZeRO-1) run with terapipe.defer_weight_grads false and
+    must equal their zero-bubble twin.
     """
     if world == 4:  # DeepSpeed reduces data-parallel gradients in fp16 / bf16 / fp32 only
         return [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1, dtypes=("f32",))
                 for schedule, tied in itertools.product(("gpipe", "1f1b"), (True, False))] + [
-                _case(2, 2, "uneven", True, "gpipe", replicas=2, zero=0, dtypes=("f32",))]
+                _case(2, 2, "uneven", True, "gpipe", replicas=2, zero=0, dtypes=("f32",)),
+                _case(2, 2, "uneven", True, "1f1b", replicas=2, zero=1, dtypes=("f32",), zb=False)]
     stages, out = world, []
     for micro, slices, tied in itertools.product((1, 3), SLICES, (True, False)):
         out.append(_case(stages, micro, slices, tied, "gpipe"))
@@ -37,15 +41,17 @@ def cases(world: int) -> list[dict]:
         out.append(_case(stages, 3, slices, tied, "1f1b"))
     if stages > 1:  # activation checkpointing (non-reentrant) of every layer
         out += [_case(stages, 3, "uneven", True, schedule, ckpt=True) for schedule in ("gpipe", "1f1b")]
+        out.append(_case(stages, 3, "uneven", True, "1f1b", zb=False))
     return out
 
 
-def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES)):
+def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
-    return {"name": base + ("-ckpt" if ckpt else ""), "same_as": base if ckpt else None,
+    return {"name": base + ("-ckpt" if ckpt else "") + ("" if zb else "-nozb"),
+            "same_as": base if ckpt or not zb else None,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
-            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes}
+            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb}
 
 
 def tiny_model(tied: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
@@ -74,4 +80,5 @@ def ds_config(case: dict) -> dict:
     config = harness.ds_config(case["stages"], case["microbatches"], MICRO_BATCH, SEQ_LEN, case["slices"],
                                case["schedule"], case["zero"])
     config["pipeline"].update(activation_checkpoint_interval=int(case["ckpt"]), use_reentrant=False)
+    config["terapipe"]["defer_weight_grads"] = case["zb"]  # W's split and scheduled (zero-bubble) or not
     return config

@@ -21,6 +21,7 @@ from tp_trainer.schedule import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    WeightGrad,
     backward_units,
     build_schedule,
     check_schedule,
@@ -30,11 +31,12 @@ from tp_trainer.schedule import (
     one_f_one_b_warmup,
     parse_instruction,
     peak_inflight,
+    place_weight_grads,
     simulate,
     units,
 )
 
-SLICE_CLASSES = [LoadSlice, ForwardSlice, BackwardSlice, SendActivation, RecvActivation,
+SLICE_CLASSES = [LoadSlice, ForwardSlice, BackwardSlice, WeightGrad, SendActivation, RecvActivation,
                  SendGrad, RecvGrad]
 STAGE_CLASSES = [ReduceTiedGrads, ReduceGrads, OptimizerStep]
 
@@ -78,7 +80,8 @@ def test_examples_from_the_design():
     assert parse_instruction("0REDUCE_TIED") == ReduceTiedGrads(0)
     assert parse_instruction("0REDUCE") == ReduceGrads(0)
     assert parse_instruction("1STEP") == OptimizerStep(1)
-    assert set(INSTRUCTION_TYPES) == {"LOAD", "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
+    assert parse_instruction("1W0.3") == WeightGrad(1, 0, 3) and str(WeightGrad(1, 0, 3)) == "1W0.3"
+    assert set(INSTRUCTION_TYPES) == {"LOAD", "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
                                       "REDUCE_TIED", "REDUCE", "STEP"}
 
 
@@ -498,3 +501,101 @@ def test_eager_sends_let_the_sender_run_ahead():
     first_b0 = min(start for s, ins, start, _ in eager.timeline if s == 0 and isinstance(ins, BackwardSlice))
     assert first_b0 == 1.0 + 3 * 3.0 + 2.0
     assert eager.makespan == blocking.makespan == first_b0 + 3 * 2.0
+
+
+# ---------------------------------------------------------------- weight gradients (W)
+
+def split(name, stages, microbatches, num_slices):
+    return [build_schedule(name, stages, i, microbatches, num_slices, split_weight_grads=True)
+            for i in range(stages)]
+
+
+def unit_costs(ins):
+    """F = B = W = 1: the backward split into two halves."""
+    return 1.0 if isinstance(ins, (ForwardSlice, BackwardSlice, WeightGrad)) else 0.0
+
+
+def whole_backward(ins):
+    return {ForwardSlice: 1.0, BackwardSlice: 2.0}.get(type(ins), 0.0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_split_schedules_pass_and_give_every_unit_its_w(name):
+    for stages in (1, 2, 3, 4):
+        for micro in (1, 2, 3):
+            for slices in (1, 2, 4):
+                schedules = split(name, stages, micro, slices)
+                simulate(schedules)
+                for i, steps in enumerate(schedules):
+                    prog = flat(steps)
+                    ws = [x for x in prog if isinstance(x, WeightGrad)]
+                    assert sorted(w.unit for w in ws) == units(micro, slices) and all(w.stage == i for w in ws)
+                    for w in ws:  # after its B, before the reductions
+                        assert prog.index(BackwardSlice(i, *w.unit)) < prog.index(w) < prog.index(ReduceTiedGrads(i))
+                    unsplit = [x for x in prog if not isinstance(x, WeightGrad)]
+                    assert unsplit == flat(build_schedule(name, stages, i, micro, slices))
+
+
+def test_zero_bubble_placement():
+    """gpipe: stage 0 runs W right after each B; later stages keep every W for the end of their backward.
+    With F = B = W = 1 the bubble is (K - 1)(F + B), not (K - 1)(F + B + W): 3MS + 2(K - 1)."""
+    prog0, prog1 = (flat(s) for s in split("gpipe", 2, 1, 3))
+    assert prog0[prog0.index(BackwardSlice(0, 0, 2)) + 1] == WeightGrad(0, 0, 2)
+    tail = prog1[prog1.index(BackwardSlice(1, 0, 0)) + 2:]  # after 1B0.0 1SEND_B0.0
+    assert [str(x) for x in tail] == ["1W0.2", "1W0.1", "1W0.0", "1REDUCE_TIED", "1REDUCE", "1STEP"]
+    for stages in (2, 3, 4):
+        for micro, slices in ((1, 1), (1, 4), (3, 2)):
+            got = simulate(split("gpipe", stages, micro, slices), unit_costs, eager_sends=True).makespan
+            old = simulate(all_stages("gpipe", stages, micro, slices), whole_backward, eager_sends=True).makespan
+            assert got == 3 * micro * slices + 2 * (stages - 1) == old - (stages - 1)
+
+
+def test_1f1b_split_never_slower_and_lag_is_stage_index():
+    """1F1B: stage i holds i W's back (ZB-H1); never slower than 1F1B with a whole backward of 2."""
+    prog = flat(split("1f1b", 2, 2, 2)[1])
+    assert prog.index(WeightGrad(1, 0, 1)) > prog.index(BackwardSlice(1, 0, 0))
+    assert prog.index(WeightGrad(1, 0, 1)) < prog.index(BackwardSlice(1, 1, 1))
+    gains = []
+    for stages in (2, 3, 4):
+        for micro in (2, 3, 4):
+            for slices in (1, 2, 4):
+                got = simulate(split("1f1b", stages, micro, slices), unit_costs, eager_sends=True).makespan
+                old = simulate(all_stages("1f1b", stages, micro, slices), whole_backward, eager_sends=True).makespan
+                assert got <= old, (stages, micro, slices)
+                gains.append(old - got)
+    assert min(gains) >= 1 and max(gains) >= 3
+
+
+def test_place_weight_grads_keeps_forward_before_w():
+    """A W due after a backward waits behind the forward step that follows it (the next stage waits for that)."""
+    steps = [[ForwardSlice(0, 0, 0)], [BackwardSlice(0, 0, 0)], [ForwardSlice(0, 0, 1)], [BackwardSlice(0, 0, 1)],
+             [ReduceTiedGrads(0)]]
+    out = [str(x) for x in flat(place_weight_grads(steps, 0, lag=0))]
+    assert out == ["0F0.0", "0B0.0", "0F0.1", "0W0.0", "0B0.1", "0W0.1", "0REDUCE_TIED"]
+
+
+def test_misplaced_weight_grads_are_rejected():
+    sched = split("gpipe", 2, 1, 2)  # W before its B
+    k = next(k for k, s in enumerate(sched[1]) if WeightGrad(1, 0, 1) in s)
+    sched[1].insert(0, sched[1].pop(k))
+    msg = failure(sched)
+    assert msg.startswith("broken dependency: 1W0.1 before 1B0.1 on stage 1")
+    assert "round | stage 0  | stage 1" in msg and "blocked | 0LOAD0.0 | 1W0.1" in msg  # the step x stage grid
+    sched = split("gpipe", 2, 1, 2)  # a B without its W before the reductions
+    sched[0] = [s for s in sched[0] if WeightGrad(0, 0, 0) not in s]
+    assert "broken dependency: 0REDUCE_TIED before 0W0.0 on stage 0" in failure(sched)
+    sched = split("gpipe", 2, 1, 2)  # W after the step
+    k = next(k for k, s in enumerate(sched[1]) if WeightGrad(1, 0, 0) in s)
+    sched[1].append(sched[1].pop(k))
+    assert "before 1W0.0 on stage 1" in failure(sched)
+    sched = split("gpipe", 2, 1, 2)  # W on the wrong stage
+    sched[1].insert(len(sched[1]) - 3, [WeightGrad(0, 0, 0)])
+    with pytest.raises(ScheduleError, match="stage 1's schedule holds 0W0.0, an instruction of stage 0"):
+        simulate(sched)
+    sched = split("gpipe", 2, 1, 2)  # twice
+    sched[0].insert(len(sched[0]) - 3, [WeightGrad(0, 0, 0)])
+    assert "duplicate: 0W0.0 executed twice on stage 0" in failure(sched)
+    with pytest.raises(ScheduleError, match="broken dependency: 0W0.0 before 0B0.0"):
+        simulate([[[LoadSlice(0, 0, 0), ForwardSlice(0, 0, 0)], [WeightGrad(0, 0, 0)]]], forward_only=True)
+    with pytest.raises(ValueError, match="split_weight_grads must be True or False"):
+        build_schedule("gpipe", 2, 0, 1, 1, split_weight_grads=1)

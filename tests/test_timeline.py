@@ -11,6 +11,7 @@ from small_run import small_config
 from tp_trainer.schedule import (
     BackwardSlice,
     ForwardSlice,
+    WeightGrad,
     build_schedule,
     parse_instruction,
 )
@@ -35,8 +36,29 @@ def test_timeline_follows_the_schedule(tmp_path):
     events = json.loads((tmp_path / "timeline.json").read_text())
     for stage in range(2):
         recorded = [name for rank, name, start, end in sorted(events, key=lambda e: e[2]) if rank == stage]
-        expected = [str(i) for step in build_schedule("gpipe", 2, stage, 2, 4) for i in step]
-        assert recorded == expected  # every instruction, in the schedule's order
+        expected = [str(i) for step in build_schedule("gpipe", 2, stage, 2, 4, split_weight_grads=True) for i in step]
+        assert recorded == expected  # every instruction, in the schedule's order (W's split: fp32, ZeRO 0)
         boxes = [parse_instruction(n) for n in recorded]
         assert sum(isinstance(b, ForwardSlice) for b in boxes) == 8  # 2 microbatches x 4 slices
         assert sum(isinstance(b, BackwardSlice) for b in boxes) == 8
+        assert sum(isinstance(b, WeightGrad) for b in boxes) == 8
+
+
+def test_boxes_and_prediction_draw_w(tmp_path):
+    """W instructions become boxes; the prediction then simulates the split schedule."""
+    from tp_trainer.timeline import compute_boxes, draw, predicted_boxes
+    events, t = [], 0.0
+    for stage in range(2):
+        t = 0.0
+        for step in build_schedule("gpipe", 2, stage, 1, 2, split_weight_grads=True):
+            for ins in step:
+                length = 0.1 if isinstance(ins, (ForwardSlice, BackwardSlice, WeightGrad)) else 0.0
+                events.append((stage, str(ins), t, t + length))
+                t += length
+    boxes = compute_boxes(events)
+    assert [str(i) for i, _, _ in boxes[1]] == ["1F0.0", "1F0.1", "1B0.1", "1B0.0", "1W0.1", "1W0.0"]
+    predicted = predicted_boxes(boxes, "gpipe", 1, 2)
+    assert sum(isinstance(i, WeightGrad) for i, _, _ in predicted[0]) == 2
+    assert max(end for _, _, end in predicted[1]) > 0.6 - 1e-9  # 2 F + 2 B + 2 W of 0.1 s
+    draw(boxes, predicted, str(tmp_path / "t.png"))
+    assert (tmp_path / "t.png").stat().st_size > 5_000

@@ -51,11 +51,33 @@ class TeraPipeConfig:
     in reverse) or "1f1b" (warm-up forwards, then one forward / one backward: fewer units in flight)."""
 
     defer_weight_grads: bool = True
-    """Stages after the first compute their linear layers' weight gradients after sending the gradient
-    of a microbatch's slice 0, not in each slice's backward: the previous stage gets its gradients
-    sooner (zero-bubble's B / W split). Applies with fp32 and ZeRO stage 0; ignored otherwise."""
+    """Split every stage's backward into B (input gradients, which the previous stage waits for) and
+    W (weight gradients of the linear layers, the LM head, tied or not, and the embeddings): the
+    schedule carries a ``WeightGrad`` per unit, placed zero-bubble style (schedule/orders.py:
+    place_weight_grads), so the bubble loses the W time. Applies with fp32 (or float64) and ZeRO
+    stage 0 or 1 (without overlap_comm); ignored (W inside B, as with false) otherwise, because
+    there DeepSpeed takes each parameter's gradient out of ``.grad`` during or right after each
+    backward, and a W adding into ``.grad`` later would be lost or never reduced:
+    bf16: the BF16_Optimizer folds ``.grad`` into its fp32 gradient buffers at the end of every
+    backward (``update_hp_grads`` after an inner stage's backward, ``backward_epilogue`` on the last
+    stage) or in grad-accumulation hooks (``immediate_grad_update``), and zeroes ``.grad`` at the
+    start of the next backward (``clear_lp_grads``): a later W's gradient would be wiped unfolded.
+    ZeRO >= 2 / ZeRO-1 with overlap_comm or a separate accumulation dtype: ZeRO's grad hooks reduce
+    or move each gradient when autograd accumulates it, and a W writes ``.grad`` without autograd,
+    so no hook fires for it. fp16: kept off, untried (loss scaling, overflow check). Plain ZeRO-1
+    in fp32 reads ``.grad`` only at ReduceGrads (exactness cases pp2-dp2-zero1-*)."""
+
+    memory_limit_gib: object = None
+    """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
+    optimizer state, activations and K/V; measured as peak RSS above the process's size before the
+    model is built), or "auto": the device's memory (a GPU's total; on CPU the machine's RAM divided
+    by the ranks on it). The planner then also chooses the order (gpipe / 1f1b) and activation
+    checkpointing per stage: the least predicted step time whose predicted peak fits. If no plan
+    fits, the run stops before building the model, naming the limit that would fit and the longest
+    sequence that fits this one. None: no limit (time alone)."""
 
     def __post_init__(self):
+        self._check_memory_limit()
         if not isinstance(self.defer_weight_grads, bool):
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
@@ -78,6 +100,16 @@ class TeraPipeConfig:
             SlicePlan(self.seq_len, self.slice_lengths)
         except PlanError as err:
             raise ConfigError(str(err)) from None
+
+    def _check_memory_limit(self) -> None:
+        limit = self.memory_limit_gib
+        if limit is None:
+            return
+        if limit != "auto" and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            raise ConfigError(f"terapipe.memory_limit_gib: must be a positive number of GiB or \"auto\", got {limit!r}")
+        if self.slices != "auto":
+            raise ConfigError(f"terapipe.memory_limit_gib: {limit!r} needs \"slices\": \"auto\" (the planner chooses "
+                              f"slices, order and checkpointing under the limit), got slices {self.slices!r}")
 
     @property
     def auto(self) -> bool:

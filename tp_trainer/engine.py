@@ -23,13 +23,13 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import ds_compat
-from .model.layers import DecoderBlock
 from .model.slice_cache import SequenceKV
-from .model.weight_grad import DeferredWeightGrads, deferrable_linears, defer
+from .model.weight_grad import DeferredWeightGrads, defer_stage
 from .p2p import Transfers
 from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
-                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, build_schedule, forward_only)
+                       ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
+                       forward_only)
 
 
 def _next_receives(instructions) -> dict:
@@ -80,20 +80,23 @@ class TeraPipeEngine(PipelineEngine):
         self._reset_step_state()
 
     def _deferred_weight_grads(self) -> DeferredWeightGrads | None:
-        """Defer the weight gradients of this stage's decoder blocks (model/weight_grad.py), where it
-        helps and is safe: not on the first stage (nobody waits for its input gradients), and only
-        where DeepSpeed reads ``.grad`` at the step (fp32, ZeRO stage 0), not through grad hooks."""
-        if self.is_first_stage() or self.fp16_enabled() or self.bfloat16_enabled() or self.zero_optimization_stage():
+        """Split this stage's backward into B and W (model/weight_grad.py: every linear layer, the
+        tied or untied head, the embeddings), where it is safe: DeepSpeed must read ``.grad`` at
+        ReduceGrads / the step, not fold it into other buffers during each backward. So fp32 (or
+        float64) with ZeRO stage 0, or ZeRO stage 1 without overlap_comm; not fp16 / bf16 (see
+        ``terapipe.defer_weight_grads`` in config.py for why). The schedule then carries a W for
+        every unit (``split_weight_grads``)."""
+        zero = self.zero_optimization_stage()
+        if self.fp16_enabled() or self.bfloat16_enabled() or zero > 1 or (zero == 1 and self.zero_overlap_comm()):
             return None
-        blocks = [layer.inner for layer in self.module.forward_funcs if isinstance(layer, DecoderBlock)]
         store = DeferredWeightGrads()
-        defer(deferrable_linears(blocks), store)
+        defer_stage(self.module.forward_funcs, store)
         return store
 
     # ----------------------------------------------------------------------------- schedule
     def _train_schedule(self):
         return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
-                              self.plan.num_slices)
+                              self.plan.num_slices, split_weight_grads=self.weight_grads is not None)
 
     def _exec_schedule(self, pipe_schedule):
         self._reset_step_state()
@@ -244,10 +247,14 @@ class TeraPipeEngine(PipelineEngine):
         # activation checkpointing recomputes this slice's layers inside backward: they must see
         # this slice's context again, not the last one forwarded
         self.slice_context.begin(self._kv[m], self._offsets[j], self.plan.slices[j])
+        if self.weight_grads is not None:
+            self.weight_grads.unit = (m, j)  # the deferred layers keep (x, dy) for this unit's W
         if self.is_last_stage():
             ds_compat.loss_backward(self, self._losses.pop((m, j)))
         else:
             ds_compat.inner_stage_backward(self, self._outputs.pop((m, j)), self._out_grads.pop((m, j)))
+        if self.weight_grads is not None:
+            self.weight_grads.unit = None
         if j == 0:  # every later slice of m has run its backward: the K/V store is done
             del self._kv[m]
         if self.is_first_stage():
@@ -256,8 +263,10 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_send_grad(self, cmd: SendGrad):
         received = self._inputs.pop((cmd.microbatch, cmd.slice))
         self._transfers.send(received.grad.contiguous(), self._peer_rank(cmd), cmd)
-        if cmd.slice == 0 and self.weight_grads is not None:
-            self.weight_grads.flush()  # the microbatch's backward is done: its weight gradients now
+
+    def _exec_weight_grad(self, cmd: WeightGrad):
+        if self.weight_grads is not None:  # else the backward computed them
+            self.weight_grads.flush((cmd.microbatch, cmd.slice))
 
     def _exec_recv_grad(self, cmd: RecvGrad):
         self._out_grads[(cmd.microbatch, cmd.slice)] = self._receive(cmd)
@@ -280,6 +289,7 @@ class TeraPipeEngine(PipelineEngine):
         LoadSlice: _exec_load_slice,
         ForwardSlice: _exec_forward_slice,
         BackwardSlice: _exec_backward_slice,
+        WeightGrad: _exec_weight_grad,
         SendActivation: _exec_send_activation,
         RecvActivation: _exec_recv_activation,
         SendGrad: _exec_send_grad,

@@ -3,8 +3,9 @@
 Recording is the engine's ``timeline`` list: (instruction, start, end) per executed instruction
 (time.monotonic, cheap). ``gather`` brings every rank's events to rank 0 on a common clock (each
 rank's times are taken relative to the end of a barrier). ``draw`` makes a Gantt chart: one row per
-stage, forward / backward boxes labelled "microbatch.slice", idle time as gaps, and beside it the
-simulator's predicted timeline of the same schedule with the measured mean F/B durations.
+stage, forward / backward / weight-gradient (W) boxes labelled "microbatch.slice", idle time as gaps,
+and beside it the simulator's predicted timeline of the same schedule with the measured mean F/B/W
+durations.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import time
 from collections import defaultdict
 from statistics import mean
 
-from .schedule import BackwardSlice, ForwardSlice, build_schedule, parse_instruction, simulate
+from .schedule import BackwardSlice, ForwardSlice, WeightGrad, build_schedule, parse_instruction, simulate
 
-COLORS = {ForwardSlice: "#4C72B0", BackwardSlice: "#DD8452"}
+COLORS = {ForwardSlice: "#4C72B0", BackwardSlice: "#DD8452", WeightGrad: "#55A868"}
+BOXES = tuple(COLORS)  # the instructions drawn as boxes
 
 
 def record_step(engine, data_iter) -> tuple[float, list]:
@@ -42,33 +44,36 @@ def gather(events: list) -> list | None:
 
 
 def compute_boxes(events) -> dict[int, list]:
-    """Per stage: (instruction, start, end) of its forward/backward instructions, in time order.
+    """Per stage: (instruction, start, end) of its forward / backward / W instructions, in time order.
 
     Only the first data-parallel replica of each stage is kept (replicas run the same schedule).
     """
     per_stage, seen = defaultdict(list), {}
     for rank, name, start, end in events:
         instr = parse_instruction(name)
-        if isinstance(instr, (ForwardSlice, BackwardSlice)) and seen.setdefault(instr.stage, rank) == rank:
+        if isinstance(instr, BOXES) and seen.setdefault(instr.stage, rank) == rank:
             per_stage[instr.stage].append((instr, start, end))
     return {stage: sorted(boxes, key=lambda box: box[1]) for stage, boxes in per_stage.items()}
 
 
 def predicted_boxes(boxes: dict[int, list], schedule: str, microbatches: int, num_slices: int) -> dict[int, list]:
-    """The simulator's timeline of the same schedule, each F/B lasting its measured mean
-    (per stage, kind and slice index: later slices attend to more context and cost more)."""
+    """The simulator's timeline of the same schedule, each F/B/W lasting its measured mean
+    (per stage, kind and slice index: later slices attend to more context and cost more). The
+    schedule splits W's (``split_weight_grads``) when the measured boxes hold any."""
     stages = len(boxes)
     durations = defaultdict(list)
     for stage_boxes in boxes.values():
         for instr, start, end in stage_boxes:
             durations[(instr.stage, type(instr), instr.slice)].append(end - start)
     means = {key: mean(values) for key, values in durations.items()}
-    schedules = [build_schedule(schedule, stages, s, microbatches, num_slices) for s in range(stages)]
+    split = any(isinstance(instr, WeightGrad) for stage_boxes in boxes.values() for instr, _, _ in stage_boxes)
+    schedules = [build_schedule(schedule, stages, s, microbatches, num_slices, split_weight_grads=split)
+                 for s in range(stages)]
     result = simulate(schedules, duration=lambda i: means.get((i.stage, type(i), getattr(i, "slice", -1)), 0.0),
                       eager_sends=True)  # as the engine sends: without waiting for the receiver
     predicted = defaultdict(list)
     for stage, instr, start, end in result.timeline:
-        if isinstance(instr, (ForwardSlice, BackwardSlice)):
+        if isinstance(instr, BOXES):
             predicted[stage].append((instr, start, end))
     return dict(predicted)
 
@@ -101,5 +106,5 @@ def _draw_panel(ax, boxes: dict[int, list], label: str) -> None:
     ax.set_yticks(sorted(boxes), [f"stage {s}" for s in sorted(boxes)])
     ax.invert_yaxis()
     ax.set_xlim(0, end_time * 1.01)
-    ax.set_xlabel("seconds (forward blue, backward orange, gaps = idle)")
+    ax.set_xlabel("seconds (forward blue, backward (input gradients) orange, weight gradients green, gaps = idle)")
     ax.set_title(f"{label}: step {end_time:.3f} s")

@@ -11,6 +11,12 @@ Here each slice's backward only keeps its (ids, output gradient) rows in the seq
 backward from the last to the first), so it scatters all of the sequence's rows into one dense
 gradient and hands it to autograd: one table-sized gradient per sequence, whatever the number of
 slices. The result is the same sum in another order.
+
+With the stage's weight gradients deferred (``weight_grad.defer_embedding`` gives the table a
+``deferred_weight_grads`` store), each slice's backward gives no weight gradient at all: it keeps
+its (ids, rows) under its unit, and the unit's ``WeightGrad`` adds them into ``weight.grad`` with
+one ``index_add_`` (no table-sized temporary per slice or per sequence). The embedding's backward is
+all weight gradient, so on the first stage this takes it out of the backward entirely.
 """
 
 from __future__ import annotations
@@ -47,6 +53,25 @@ class _SliceEmbedding(torch.autograd.Function):
         return None, dense.index_add_(0, all_ids, all_rows), None, None, None
 
 
+class _DeferredEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)``; backward keeps the rows in a DeferredWeightGrads store."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, store, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.store, ctx.weight, ctx.padding_idx = store, weight, padding_idx
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # nn.Embedding gives the padding row no gradient
+            rows = rows.masked_fill((ids == ctx.padding_idx)[:, None], 0)
+        ctx.store.keep_rows(ctx.weight, ids, rows)
+        return None, None, None, None
+
+
 def slice_embedding(embedding: nn.Embedding, ids: torch.Tensor, kv: SequenceKV | None, start: int) -> torch.Tensor:
     """``embedding(ids)`` for the slice at offset ``start`` of the sequence whose state is ``kv``.
 
@@ -57,5 +82,8 @@ def slice_embedding(embedding: nn.Embedding, ids: torch.Tensor, kv: SequenceKV |
              or embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse)
     if plain:
         return embedding(ids)
+    store = getattr(embedding, "deferred_weight_grads", None)
+    if store is not None:
+        return _DeferredEmbedding.apply(ids, embedding.weight, store, embedding.padding_idx)
     rows = kv.embedding_rows.setdefault(id(embedding.weight), [])
     return _SliceEmbedding.apply(ids, embedding.weight, rows, start == 0, embedding.padding_idx)

@@ -1,97 +1,137 @@
-"""Deferred weight gradients of a stage's linear layers (the B / W split of zero-bubble schedules).
+"""Deferred weight gradients of a stage (the B / W split of zero-bubble schedules).
 
 The backward of a linear layer y = x W + b is two products: the input gradient dx = dy W^T, which
 the previous stage is waiting for, and the weight gradient dW = x^T dy (+ db = sum dy), which only
-the optimizer needs. Between two stages, the first stage's idle time before its first backward is
-the next stage's forward AND backward of the last slice (TeraPipe's (K - 1) x t_last bubble), so
-every millisecond of weight-gradient work taken out of that backward shortens the bubble.
+the optimizer needs. An embedding lookup's backward is all weight gradient (rows added into the
+table). With ``DeferredWeightGrads`` enabled on a stage, the deferred layers compute only dx
+during a unit's ``BackwardSlice`` and keep (x, dy) under that unit; the schedule's ``WeightGrad``
+of the unit then calls ``flush(unit)``, which adds the unit's dW (and db) into ``.grad`` and frees
+the pair. The schedule places W where the stage would otherwise wait (``schedule.orders
+.place_weight_grads``), so the previous stage gets its input gradients sooner.
 
-With ``DeferredWeightGrads`` enabled on a stage, the linear layers of its decoder blocks compute
-only dx during a slice's backward and keep (x, dy). ``flush()`` then computes each layer's dW and
-db once for all the slices kept (one large product instead of one per slice; the same sum in
-another order) and adds them into ``.grad``. The engine flushes right after sending the gradient of
-a microbatch's slice 0, when this stage would otherwise wait. Memory: the kept x and dy of a
-microbatch's slices live until the flush (x is what autograd saved for backward anyway). In a
-recorded timeline the flush is part of the stage's ``SendGrad`` of slice 0 (drawn as a gap between
-backward boxes). The planner's profile, taken before the engine defers anything, times the whole
-backward, so its predictions do not count this saving.
+Deferred: the Conv1D / nn.Linear modules of the stage's decoder blocks, of an untied LM head and of
+projections (``defer``), the LM head tied to the token embedding (``deferred_linear``, called by
+the engine's replacement of DeepSpeed's tied forward function), and token / position embeddings
+(``embedding_grad.slice_embedding`` hands their rows to the store given by ``defer_embedding``).
 
-The modules stay the HF ones; only their ``forward`` is rerouted (``defer``), and ``restore``
-puts it back. Handles GPT-2's ``Conv1D`` (weight stored (in, out)) and ``nn.Linear`` ((out, in)).
+Granularity: one unit per flush. One product per slice (``addmm_`` into ``.grad``) measured as fast
+as one product over the concatenated slices of a sequence on this CPU (6 slices of 136-216 tokens,
+GPT-2 256-wide block + 8192-row head, 1 thread: 0.12-0.13 s per unit-by-unit pass against 0.17 s
+batched; the concatenation costs what batching saves), so the orders need not batch W's.
+Memory: the kept x and dy of a unit live until its W (x is what autograd saved for backward anyway;
+dy is new: the output gradient of each deferred layer, for the head (tokens, vocab)).
+
+The modules stay the HF ones; only their ``forward`` is rerouted (``defer``), ``restore`` puts it
+back. Handles GPT-2's ``Conv1D`` (weight stored (in, out)) and ``nn.Linear`` ((out, in)).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .layers import DecoderBlock, LearnedPositions, LMHead, Projection, TokenEmbedding, tied_lm_head
+
 
 class DeferredWeightGrads:
-    """The (x, dy) pairs kept by one stage's deferred linear layers, and their flush."""
+    """Per unit, the (x, dy) pairs and embedding rows kept by one stage's deferred layers.
+
+    ``unit`` is the unit whose backward is running (set by the engine; None outside a schedule,
+    e.g. while profiling): what ``keep`` files the pairs under.
+    """
 
     def __init__(self):
-        self.kept: dict[int, tuple[nn.Module, list, list]] = {}  # id(module) -> (module, xs, dys)
+        self.unit = None
+        self.kept: dict = {}  # unit -> [(weight, bias, weight is (in, out), x, dy) | (weight, ids, rows)]
 
-    def keep(self, module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
-        entry = self.kept.setdefault(id(module), (module, [], []))
-        entry[1].append(x)
-        entry[2].append(dy)
+    def keep(self, weight: nn.Parameter, bias, in_out: bool, x: torch.Tensor, dy: torch.Tensor) -> None:
+        """Keep a linear layer's input x (tokens, in) and output gradient dy (tokens, out)."""
+        self.kept.setdefault(self.unit, []).append((weight, bias, in_out, x, dy))
 
-    def flush(self) -> None:
-        """dW (and db) of every kept slice, added into the parameters' ``.grad``."""
-        kept, self.kept = self.kept, {}
-        for module, xs, dys in kept.values():
-            x = torch.cat(xs) if len(xs) > 1 else xs[0]      # (tokens, in)
-            dy = torch.cat(dys) if len(dys) > 1 else dys[0]  # (tokens, out)
-            weight_grad = x.t() @ dy if isinstance(module, Conv1D) else dy.t() @ x
-            _accumulate(module.weight, weight_grad)
-            if module.bias is not None:
-                _accumulate(module.bias, dy.sum(0))
+    def keep_rows(self, weight: nn.Parameter, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep an embedding lookup's ids (tokens,) and output gradient rows (tokens, hidden)."""
+        self.kept.setdefault(self.unit, []).append((weight, ids, rows))
+
+    def flush(self, unit=None) -> None:
+        """Add the kept weight gradients of ``unit`` (None: of every unit) into ``.grad``; free them."""
+        units = list(self.kept) if unit is None else [unit]
+        for key in units:
+            for entry in self.kept.pop(key, ()):
+                _apply(*entry)
 
     def __len__(self) -> int:
+        """Units whose weight gradients are still kept."""
         return len(self.kept)
 
 
-def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
+@torch.no_grad()
+def _apply(weight, *rest) -> None:
+    if len(rest) == 2:  # embedding rows
+        ids, rows = rest
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids, rows.to(weight.dtype))
+        return
+    bias, in_out, x, dy = rest
+    a, b = (x.t(), dy) if in_out else (dy.t(), x)
+    if weight.grad is None:
+        weight.grad = (a @ b).to(weight.dtype)
     else:
-        param.grad.add_(grad)
+        weight.grad.addmm_(a, b)
+    if bias is not None:
+        if bias.grad is None:
+            bias.grad = dy.sum(0).to(bias.dtype)
+        else:
+            bias.grad.add_(dy.sum(0))
 
 
 class _InputGradOnly(torch.autograd.Function):
     """x (tokens, in) -> x W + b; backward returns dx only and keeps (x, dy) in ``store``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module, store):
+    def forward(ctx, x, weight, bias, in_out: bool, store):
         ctx.save_for_backward(x, weight)
-        ctx.module, ctx.store = module, store
-        if isinstance(module, Conv1D):
-            return torch.addmm(bias, x, weight)
+        # the parameters themselves, to accumulate into: under non-reentrant activation checkpointing
+        # ctx.saved_tensors gives recomputed stand-ins, not the Parameter objects
+        ctx.weight, ctx.bias, ctx.in_out, ctx.store = weight, bias, in_out, store
+        if in_out:
+            return x @ weight if bias is None else torch.addmm(bias, x, weight)
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        ctx.store.keep(ctx.module, x, dy)
-        dx = dy @ weight.t() if isinstance(ctx.module, Conv1D) else dy @ weight
+        ctx.store.keep(ctx.weight, ctx.bias, ctx.in_out, x, dy)
+        dx = dy @ weight.t() if ctx.in_out else dy @ weight
         return dx, None, None, None, None
 
 
+def deferred_linear(x: torch.Tensor, weight: nn.Parameter, bias, store: DeferredWeightGrads,
+                    in_out: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``in_out``: x @ weight + bias, Conv1D's layout) with its weight
+    gradient deferred into ``store``; x (..., in) -> (..., out). Plain where no gradient is needed."""
+    if not torch.is_grad_enabled() or not weight.requires_grad:
+        return x @ weight + (0 if bias is None else bias) if in_out else nn.functional.linear(x, weight, bias)
+    out_features = weight.shape[1] if in_out else weight.shape[0]
+    flat = _InputGradOnly.apply(x.reshape(-1, x.shape[-1]), weight, bias, in_out, store)
+    return flat.view(*x.shape[:-1], out_features)
+
+
 def _deferred_forward(module: nn.Module, store: DeferredWeightGrads):
-    out_features = module.nf if isinstance(module, Conv1D) else module.out_features
+    conv = isinstance(module, Conv1D)
 
     def forward(x):
         if not torch.is_grad_enabled() or not module.weight.requires_grad:
             return type(module).forward(module, x)
-        flat = _InputGradOnly.apply(x.reshape(-1, x.shape[-1]), module.weight, module.bias, module, store)
-        return flat.view(*x.shape[:-1], out_features)
+        return deferred_linear(x, module.weight, module.bias, store, in_out=conv)
     return forward
 
 
 def deferrable_linears(blocks) -> list[nn.Module]:
-    """The Conv1D / nn.Linear modules inside ``blocks`` (HF decoder blocks)."""
+    """The Conv1D / nn.Linear modules inside ``blocks`` (HF decoder blocks, heads, projections)."""
     return [m for block in blocks for m in block.modules() if isinstance(m, (nn.Linear, Conv1D))]
 
 
@@ -101,6 +141,38 @@ def defer(modules, store: DeferredWeightGrads) -> None:
         module.forward = _deferred_forward(module, store)
 
 
+def defer_embedding(embedding: nn.Embedding, store: DeferredWeightGrads) -> None:
+    """Have ``embedding_grad.slice_embedding`` keep this table's rows in ``store`` (W adds them)."""
+    embedding.deferred_weight_grads = store
+
+
+def _tied_head(store: DeferredWeightGrads, embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """``layers.tied_lm_head`` with the head's weight gradient deferred: (b, l, hidden) -> (b, l, vocab)."""
+    return deferred_linear(hidden, embedding.inner.weight, None, store)
+
+
+def defer_stage(funcs: list, store: DeferredWeightGrads) -> list[nn.Module]:
+    """Defer every weight gradient of a stage's layers (a PipelineModule's ``forward_funcs``, edited
+    in place): decoder blocks', an untied head's and projections' linear layers, the tied head
+    (DeepSpeed's ``partial(tied_lm_head, embedding)`` entry becomes ``partial(_tied_head, store,
+    embedding)``) and token / learned position embeddings. Norm weights stay in the backward.
+    Returns the modules changed (``restore`` undoes them; ``funcs`` entries are not put back)."""
+    touched = []
+    for index, func in enumerate(funcs):
+        if isinstance(func, partial) and func.func is tied_lm_head:
+            funcs[index] = partial(_tied_head, store, *func.args)
+        elif isinstance(func, (DecoderBlock, LMHead, Projection)):
+            linears = deferrable_linears([func.inner])
+            defer(linears, store)
+            touched += linears
+        elif isinstance(func, (TokenEmbedding, LearnedPositions)) and isinstance(func.inner, nn.Embedding):
+            defer_embedding(func.inner, store)
+            touched.append(func.inner)
+    return touched
+
+
 def restore(modules) -> None:
+    """Undo ``defer`` / ``defer_embedding``."""
     for module in modules:
         module.__dict__.pop("forward", None)
+        module.__dict__.pop("deferred_weight_grads", None)

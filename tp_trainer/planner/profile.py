@@ -4,7 +4,9 @@ The layers are the real ones of the stage (HF blocks wrapped as in ``tp_trainer.
 run exactly as the engine runs them: ``SliceContext.begin`` with a ``SequenceKV`` holding c tokens
 of context, the layers called in order, the loss on the last stage (cross-entropy summed over the
 slice), ``backward`` with an output gradient elsewhere. Each grid point is run ``warmup`` times
-untimed, then ``repeats`` times; the median forward and backward times are kept.
+untimed, then ``repeats`` times; the median forward and backward times are kept, and the median
+weight-gradient (W) part of the backward: the stage's weight gradients deferred as the engine defers
+them, W timed alone (a 6th sample column, read by ``predict``).
 Grid: l in g, 1.5g, 2g, 3g, 4g, ... up to L (and L), c in {0, L/8, ..., 7L/8, L - l} with c + l <= L,
 b in the given microbatch sizes: ~110 points per b at L = 1024, g = 8. The points run in a fixed shuffled order,
 so when ``time_budget_s`` runs out the measured points still cover the grid.
@@ -20,6 +22,7 @@ import torch
 
 from ..model.layers import SliceContext, TokenEmbedding
 from ..model.slice_cache import SequenceKV
+from ..model.weight_grad import DeferredWeightGrads, defer_stage, restore
 from .cost_model import FEATURES, StageCost
 
 
@@ -63,6 +66,8 @@ class StageRunner:
         first = self.funcs[0]
         self.vocab = first.inner.num_embeddings if isinstance(first, TokenEmbedding) else None
         self.kv: dict[int, SequenceKV] = {}
+        self.weight_grads: DeferredWeightGrads | None = None  # set: backward = B, then W timed apart
+        self.last_weight_s = 0.0  # W seconds of the last run (included in its backward)
 
     def _input(self, b: int, l: int):
         if self.vocab is not None:
@@ -88,6 +93,11 @@ class StageRunner:
         t1 = time.perf_counter()
         out.backward(None if last else torch.randn_like(out))
         _sync(self.device)
+        if self.weight_grads is not None:  # the stage's W of this unit (model/weight_grad.py)
+            t2 = time.perf_counter()
+            self.weight_grads.flush()
+            _sync(self.device)
+            self.last_weight_s = time.perf_counter() - t2
         return t1 - t0, time.perf_counter() - t1
 
 
@@ -122,6 +132,8 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     Stops taking new points after ``time_budget_s`` (at least len(FEATURES) + 3 points are taken).
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
+    runner.weight_grads = DeferredWeightGrads()  # backward timed as B + W, W also alone (6th column)
+    deferred = defer_stage(runner.funcs, runner.weight_grads)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     rng_state = torch.random.get_rng_state()
     points = grid(seq_len, batch_sizes, granularity)
@@ -133,12 +145,13 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
                 break
             for _ in range(warmup):
                 runner.run(b, l, c)
-            runs = [runner.run(b, l, c) for _ in range(repeats)]
-            rows.append([b, l, c, statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)])
+            runs = [(*runner.run(b, l, c), runner.last_weight_s) for _ in range(repeats)]
+            rows.append([b, l, c, *(statistics.median(r[k] for r in runs) for k in range(3))])
             bar.update(1)
         step = time_step(runner.params)
     finally:
         bar.close()
+        restore(deferred)
         for p in runner.params:
             if id(p) not in had_grad:
                 p.grad = None

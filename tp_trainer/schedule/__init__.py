@@ -19,6 +19,7 @@ from .instructions import (
     SendActivation,
     SendGrad,
     SliceInstruction,
+    WeightGrad,
     parse_instruction,
 )
 from .orders import (
@@ -34,6 +35,7 @@ from .orders import (
     one_f_one_b,
     one_f_one_b_warmup,
     peak_inflight,
+    place_weight_grads,
     units,
     validate_schedule_args,
 )
@@ -50,10 +52,10 @@ from .simulator import (
 __all__ = [
     "INSTRUCTION_TYPES", "BackwardSlice", "ForwardSlice", "Instruction", "LoadSlice",
     "OptimizerStep", "RecvActivation", "RecvGrad", "ReduceGrads", "ReduceTiedGrads",
-    "SendActivation", "SendGrad", "SliceInstruction", "parse_instruction",
+    "SendActivation", "SendGrad", "SliceInstruction", "WeightGrad", "parse_instruction",
     "SCHEDULES", "forward_only", "backward_step", "backward_units", "build_schedule", "final_steps",
     "format_schedule", "forward_step", "gpipe", "one_f_one_b", "one_f_one_b_warmup",
-    "peak_inflight", "units", "validate_schedule_args",
+    "peak_inflight", "place_weight_grads", "units", "validate_schedule_args",
     "ScheduleError", "SimulationResult", "check_schedule", "default_comm_time",
     "default_duration", "format_grid", "simulate",
 ]

@@ -12,7 +12,7 @@ through :func:`parse_instruction`:
 
 * slice-level (a unit = one token slice of one microbatch):
   ``f"{stage}{CODE}{microbatch}.{slice}"``, e.g. ``1F0.3`` is stage 1 running the
-  forward of slice 3 of microbatch 0, ``0SEND_F2.1`` is stage 0 sending the
+  forward of slice 3 of microbatch 0, ``1W0.3`` its weight gradients, ``0SEND_F2.1`` is stage 0 sending the
   activation of slice 1 of microbatch 2 to stage 1;
 * stage-level: ``f"{stage}{CODE}"``, e.g. ``0REDUCE_TIED`` or ``1STEP``.
 """
@@ -140,6 +140,23 @@ class BackwardSlice(SliceInstruction):
     is_compute: ClassVar[bool] = True
 
 
+@dataclass(frozen=True, repr=False)
+class WeightGrad(SliceInstruction):
+    """Compute the weight gradients of one unit on this stage. Code ``W`` (``1W0.3``).
+
+    Effect: the layers whose weight gradients the stage defers (zero-bubble's B / W split:
+    ``model/weight_grad.py``) compute dW = x^T dy (and db = sum dy) from the (x, dy) that the
+    unit's ``BackwardSlice`` kept, and add them into ``.grad``; the kept pair is then freed. Where
+    the engine defers nothing (e.g. bf16), ``BackwardSlice`` already did it and this is a no-op.
+    Pairing: after ``BackwardSlice`` of the same unit on the same stage; before
+    ``ReduceTiedGrads`` / ``ReduceGrads`` / ``OptimizerStep``. A schedule either gives every unit
+    of a stage its W or none. Nothing waits for it on other stages.
+    """
+
+    CODE: ClassVar[str] = "W"
+    is_compute: ClassVar[bool] = True
+
+
 # ---------------------------------------------------------------- point-to-point
 
 @dataclass(frozen=True, repr=False)
@@ -257,7 +274,7 @@ class OptimizerStep(Instruction):
 
 
 SLICE_INSTRUCTIONS: tuple[type[SliceInstruction], ...] = (
-    LoadSlice, ForwardSlice, BackwardSlice,
+    LoadSlice, ForwardSlice, BackwardSlice, WeightGrad,
     SendActivation, RecvActivation, SendGrad, RecvGrad,
 )
 STAGE_INSTRUCTIONS: tuple[type[Instruction], ...] = (ReduceTiedGrads, ReduceGrads, OptimizerStep)

@@ -10,6 +10,10 @@ integers and dispatches by name. A new order (e.g. ``"1f1b"``) is one more
 function built from :func:`forward_step`, :func:`backward_step` and
 :func:`final_steps`, added to the registry; the simulator checks it unchanged.
 Registered: ``"gpipe"`` (:func:`gpipe`) and ``"1f1b"`` (:func:`one_f_one_b`).
+
+``split_weight_grads=True`` (every order, :func:`build_schedule`) splits each backward into
+``BackwardSlice`` (the input gradient the previous stage waits for) and ``WeightGrad`` (the weight
+gradients nobody waits for) and places the W's by :func:`place_weight_grads`, zero-bubble style.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable
 
 from .instructions import (
     BackwardSlice,
+    SliceInstruction,
     ForwardSlice,
     Instruction,
     LoadSlice,
@@ -28,10 +33,11 @@ from .instructions import (
     ReduceTiedGrads,
     SendActivation,
     SendGrad,
+    WeightGrad,
 )
 
 Step = list[Instruction]
-ScheduleFn = Callable[[int, int, int, int], list[Step]]
+ScheduleFn = Callable[..., list[Step]]  # (stages, stage_id, microbatches, num_slices, split_weight_grads=False)
 
 
 def validate_schedule_args(stages: int, stage_id: int, microbatches: int, num_slices: int) -> None:
@@ -98,20 +104,69 @@ def final_steps(stage_id: int) -> list[Step]:
     return [[ReduceTiedGrads(stage_id)], [ReduceGrads(stage_id)], [OptimizerStep(stage_id)]]
 
 
-def gpipe(stages: int, stage_id: int, microbatches: int, num_slices: int) -> list[Step]:
+def gpipe(stages: int, stage_id: int, microbatches: int, num_slices: int,
+          split_weight_grads: bool = False) -> list[Step]:
     """TeraPipe's GPipe order over (microbatch, slice) units.
 
     All forwards in unit order (microbatch-major: m = 0..M-1, slice 0..S-1), then
     all backwards in exactly the reverse unit order, then the final steps. With
     every forward and backward costing t, one iteration takes
-    ``2 * (M*S + K - 1) * t`` on K stages.
+    ``2 * (M*S + K - 1) * t`` on K stages. ``split_weight_grads``: W's placed by
+    :func:`place_weight_grads` (no lag bound: a stage after the first keeps every W for
+    the end of its backward, where it would otherwise wait for the step).
     """
     validate_schedule_args(stages, stage_id, microbatches, num_slices)
     order = units(microbatches, num_slices)
     steps = [forward_step(stages, stage_id, m, j) for m, j in order]
     steps += [backward_step(stages, stage_id, m, j) for m, j in reversed(order)]
     steps += final_steps(stage_id)
+    if split_weight_grads:
+        steps = place_weight_grads(steps, stage_id, lag=None)
     return steps
+
+
+def place_weight_grads(steps: list[Step], stage_id: int, lag: int | None) -> list[Step]:
+    """``steps`` with a ``WeightGrad`` step for every ``BackwardSlice``, placed zero-bubble style (ZB-H1).
+
+    A W is work nobody waits for, so it goes where it delays nothing that another stage waits for:
+
+    * stage 0 sends no gradient: W of a unit right after its backward step, or after the forward
+      step that follows it (1F1B: the next stage waits for that activation, not for the W);
+    * a stage after the first sends each backward's input gradient to the previous stage, which
+      waits for it: its W's lag ``lag`` backwards behind (W of the k-th backward after the
+      (k + lag)-th backward step, and after the forward step that follows it), so the backwards
+      run back to back and the W's fill the time the stage would idle at the end of its backward
+      (waiting for the previous stages' backwards and the step). ``lag=None``: no bound (gpipe:
+      every W at the end; its activations are all alive at once anyway); 1F1B passes ``stage_id``
+      (ZB-H1: stage i holds i W's back, so i more units keep (x, dy) than 1F1B keeps alive).
+      Simulated with F = B = W = 1 over K in 2..4, M in 2..4, S in {1, 2, 4}, that lag gave the
+      shortest steps in total against no bound, the warm-up count, K - 1 - i and 2i, and it never
+      loses to 1F1B with an unsplit backward of 2 (tests/test_schedule.py checks the latter).
+
+    W's still pending go, in backward order, right before the final steps (the first
+    ``ReduceTiedGrads`` / ``ReduceGrads`` / ``OptimizerStep``). Pure function of its arguments.
+    """
+    lag = 0 if stage_id == 0 else lag
+    final_at = next((k for k, step in enumerate(steps)
+                     if any(not isinstance(ins, SliceInstruction) for ins in step)), len(steps))
+    body, tail = steps[:final_at], steps[final_at:]
+    out: list[Step] = []
+    pending: list[tuple[int, int]] = []  # units backwarded, W not placed yet
+    hold: list[Step] = []  # W steps due now: placed after a forward step that follows, else before the next step
+    for step in body:
+        backward = next((ins for ins in step if isinstance(ins, BackwardSlice)), None)
+        if backward is None:  # a forward step: it goes first, the W's due after it
+            out += [step] + hold
+            hold = []
+            continue
+        out += hold + [step]
+        pending.append(backward.unit)
+        hold = []
+        while lag is not None and len(pending) > lag:
+            hold.append([WeightGrad(stage_id, *pending.pop(0))])
+    out += hold
+    out += [[WeightGrad(stage_id, m, j)] for m, j in pending]
+    return out + tail
 
 
 def backward_units(microbatches: int, num_slices: int) -> list[tuple[int, int]]:
@@ -136,7 +191,8 @@ def one_f_one_b_warmup(stages: int, stage_id: int, microbatches: int, num_slices
     return min(microbatches * num_slices, num_slices + stages - 1 - stage_id)
 
 
-def one_f_one_b(stages: int, stage_id: int, microbatches: int, num_slices: int) -> list[Step]:
+def one_f_one_b(stages: int, stage_id: int, microbatches: int, num_slices: int,
+                split_weight_grads: bool = False) -> list[Step]:
     """One-forward-one-backward over (microbatch, slice) units, as Seq1F1B.
 
     Forward order ``f_k = (k // S, k % S)`` (as gpipe), backward order
@@ -146,6 +202,9 @@ def one_f_one_b(stages: int, stage_id: int, microbatches: int, num_slices: int) 
     backwards, then the final steps. At most ``W_i`` units are in flight (forward
     done, backward not) on stage i, against M*S for gpipe; with every forward and
     backward costing t the iteration still takes ``2 * (M*S + K - 1) * t``.
+
+    ``split_weight_grads``: W's placed by :func:`place_weight_grads`, lagging i backwards on
+    stage i (ZB-H1).
 
     Steps are :func:`forward_step` and :func:`backward_step` with one change:
     send/recv are rendezvous, so on every link both stages must meet the messages in
@@ -176,6 +235,8 @@ def one_f_one_b(stages: int, stage_id: int, microbatches: int, num_slices: int) 
         if warmup + k < total:
             steps.append(forward_step(stages, stage_id, *fwd[warmup + k]))
     steps += final_steps(stage_id)
+    if split_weight_grads:
+        steps = place_weight_grads(steps, stage_id, lag=stage_id)
     return steps
 
 
@@ -206,18 +267,21 @@ def forward_only(stages: int, stage_id: int, microbatches: int, num_slices: int)
 
 
 def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
-                   num_slices: int) -> list[Step]:
+                   num_slices: int, split_weight_grads: bool = False) -> list[Step]:
     """Build stage ``stage_id``'s steps with the order registered as ``name``.
 
-    Raises ValueError naming the known orders for an unknown name, or showing the
-    numbers for invalid integers.
+    ``split_weight_grads``: emit a ``WeightGrad`` for every unit on every stage, placed by
+    :func:`place_weight_grads` (zero-bubble). Raises ValueError naming the known orders for an
+    unknown name, or showing the numbers for invalid integers.
     """
     fn = SCHEDULES.get(name)
     if fn is None:
         known = ", ".join(sorted(SCHEDULES))
         raise ValueError(f"unknown schedule {name!r}; known schedules: {known}")
     validate_schedule_args(stages, stage_id, microbatches, num_slices)
-    return fn(stages, stage_id, microbatches, num_slices)
+    if not isinstance(split_weight_grads, bool):
+        raise ValueError(f"split_weight_grads must be True or False, got {split_weight_grads!r}")
+    return fn(stages, stage_id, microbatches, num_slices, split_weight_grads=split_weight_grads)
 
 
 def format_schedule(steps: list[Step]) -> str:

@@ -9,7 +9,9 @@ here cannot deadlock when executed:
 * ``ReduceTiedGrads`` and ``OptimizerStep`` are collectives: they execute only
   when every stage's next instruction is of the same kind;
 * compute instructions (``LoadSlice``, ``ForwardSlice``, ``BackwardSlice``,
-  ``ReduceGrads``) execute when next, after their dependencies are checked. All
+  ``WeightGrad``, ``ReduceGrads``) execute when next, after their dependencies are checked.
+  A ``WeightGrad`` needs the ``BackwardSlice`` of its unit done on its stage; a stage whose
+  schedule holds any W must give every unit its W, and before its reductions and step. All
   dependencies are on the stage's own earlier work, so one that is not met when
   the instruction is next never will be: a hard error ("broken dependency").
 
@@ -44,6 +46,7 @@ from .instructions import (
     SendActivation,
     SendGrad,
     SliceInstruction,
+    WeightGrad,
 )
 from .orders import build_schedule
 
@@ -58,7 +61,8 @@ class ScheduleError(ValueError):
 
 
 def default_duration(ins: Instruction) -> float:
-    """1.0 for ForwardSlice and BackwardSlice, 0.0 for every other instruction."""
+    """1.0 for ForwardSlice and BackwardSlice, 0.0 for every other instruction (WeightGrad
+    included: B stands for the whole backward unless a ``duration`` splits it)."""
     return 1.0 if isinstance(ins, (ForwardSlice, BackwardSlice)) else 0.0
 
 
@@ -138,6 +142,8 @@ class _Simulator:
         self.pc = [0] * self.K
         self.done: list[set] = [set() for _ in range(self.K)]  # keys (CODE, microbatch, slice)
         self.n_backward = [0] * self.K
+        self.n_weight = [0] * self.K
+        self.splits_w = [any(isinstance(x, WeightGrad) for x in prog) for prog in self.progs]
         self.units = [{x.unit for x in prog if isinstance(x, SliceInstruction)}
                       for prog in self.progs]
         self.nslices = [self._slice_counts(u) for u in self.units]
@@ -182,13 +188,15 @@ class _Simulator:
             return self._missing_forward(i, ins, nexts)
         if isinstance(ins, BackwardSlice):
             return self._missing_backward(i, ins)
+        if isinstance(ins, WeightGrad):
+            return None if ("B",) + ins.unit in self.done[i] else BackwardSlice(i, *ins.unit)
         if isinstance(ins, LoadSlice) and 0 < i < self.K - 1:
             self.fail(f"misplaced: {ins} on stage {i}, which is neither the first "
                       f"nor the last stage (LoadSlice belongs to those only)", nexts)
         if ins.is_comm:
             return self._missing_comm(i, ins, nexts)
         if isinstance(ins, ReduceGrads) or ins.is_collective:
-            return self._missing_any_backward(i)
+            return self._missing_any_backward(i) or self._missing_any_weight(i)
         return None
 
     def _missing_forward(self, i: int, ins: ForwardSlice, nexts) -> Optional[Instruction]:
@@ -235,12 +243,20 @@ class _Simulator:
         m, j = min(u for u in self.units[i] if ("B",) + u not in self.done[i])
         return BackwardSlice(i, m, j)
 
+    def _missing_any_weight(self, i: int) -> Optional[Instruction]:
+        if not self.splits_w[i] or self.n_weight[i] == len(self.units[i]):
+            return None
+        m, j = min(u for u in self.units[i] if ("W",) + u not in self.done[i])
+        return WeightGrad(i, m, j)
+
     # ------------------------------------------------------------ execution
     def _mark(self, i: int, ins: Instruction, row) -> None:
         if isinstance(ins, SliceInstruction):
             self.done[i].add((ins.CODE,) + ins.unit)
             if isinstance(ins, BackwardSlice):
                 self.n_backward[i] += 1
+            elif isinstance(ins, WeightGrad):
+                self.n_weight[i] += 1
         self.pc[i] += 1
         row[i] = ins
 
@@ -324,11 +340,14 @@ class _Simulator:
 
     def check_end(self, forward_only: bool = False) -> None:
         """Every stage forwarded (and, training, backwarded) each of its units once, same units everywhere."""
-        work = (("F", ForwardSlice),) if forward_only else (("F", ForwardSlice), ("B", BackwardSlice))
         for i in range(self.K):
+            work = (("F", ForwardSlice),) if forward_only else (("F", ForwardSlice), ("B", BackwardSlice))
+            if self.splits_w[i] and not forward_only:
+                work += (("W", WeightGrad),)
             for m, j in sorted(self.units[i]):
-                if forward_only and ("B", m, j) in self.done[i]:
-                    self.fail(f"backward in a forward-only schedule: {BackwardSlice(i, m, j)}")
+                for code, cls in (("B", BackwardSlice), ("W", WeightGrad)):
+                    if forward_only and (code, m, j) in self.done[i]:
+                        self.fail(f"backward in a forward-only schedule: {cls(i, m, j)}")
                 for code, cls in work:
                     if (code, m, j) not in self.done[i]:
                         self.fail(f"missing work: unit ({m}, {j}) appears on stage {i} "
