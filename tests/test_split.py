@@ -35,3 +35,54 @@ def _all_two_stage_splits(blocks, hidden, vocab):
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ValueError, match=r"pipeline stages \(5\) exceed the model's decoder layers \(4\)"):
         split_for_config(GPT2Config(n_layer=4), 5)
+
+
+# ------------------------------------------------------------------ the split by measured cost (pure)
+from itertools import combinations  # noqa: E402
+
+from tp_trainer.model.split import split_by_cost  # noqa: E402
+
+
+def _brute_force_max(costs, stages, blocks, prefix, suffix):
+    """The least busiest-stage cost over every split with >= 1 block per stage."""
+    first, inner = len(prefix), [len(prefix) + i for i in range(1, blocks)]
+    best = float("inf")
+    for cuts in combinations(inner, stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    assert first >= 0
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("blocks,stages", [(4, 2), (6, 3), (8, 4), (5, 5)])
+def test_split_by_cost_is_the_least_busiest_stage(seed, blocks, stages):
+    import random
+    rng = random.Random(seed)
+    costs = [rng.uniform(0, 1) for _ in range(2)] + [rng.uniform(0.5, 3) for _ in range(blocks)] + \
+            [rng.uniform(0, 0.1), rng.uniform(0, 4)]
+    split = split_by_cost(costs, stages, blocks, PREFIX, SUFFIX)
+    assert [n for names in split.names for n in names] == layer_names(blocks, PREFIX, SUFFIX)
+    assert all(any(n.startswith("h.") for n in names) for names in split.names)
+    assert max(split.costs) == pytest.approx(_brute_force_max(costs, stages, blocks, PREFIX, SUFFIX))
+    assert sum(split.costs) == pytest.approx(sum(costs))
+
+
+def test_long_context_blocks_outweigh_the_head():
+    # seq 8192 (issue 12): a block costs ~2x the head, so 4 blocks go 2 + 2, not 3 + 1 as the
+    # per-token estimate (head = vocab x hidden = 2.7 blocks of 256 wide, no attention term) puts them
+    measured = [0.05, 0.0, 1.6, 1.6, 1.6, 1.6, 0.0, 0.8]
+    assert split_by_cost(measured, 2, 4, PREFIX, SUFFIX).names == (
+        ("embed", "pos", "h.0", "h.1"), ("h.2", "h.3", "norm", "head"))
+    estimate = split_stages(4, 2, hidden=256, vocab=8192, prefix=PREFIX, suffix=SUFFIX)
+    assert estimate.names[0] == ("embed", "pos", "h.0", "h.1", "h.2")
+    # and at seq 1024 the head dominates again: the measured split keeps 3 + 1
+    short = [0.02, 0.0, 0.3, 0.3, 0.3, 0.3, 0.0, 0.55]
+    assert split_by_cost(short, 2, 4, PREFIX, SUFFIX).names[1] == ("h.3", "norm", "head")
+
+
+def test_split_by_cost_refuses_wrong_lengths():
+    with pytest.raises(ValueError, match="3 costs for 8 layers"):
+        split_by_cost([1.0, 2.0, 3.0], 2, 4, PREFIX, SUFFIX)
+    with pytest.raises(ValueError, match=r"pipeline stages \(5\) must be in 1..4"):
+        split_by_cost([1.0] * 8, 5, 4, PREFIX, SUFFIX)

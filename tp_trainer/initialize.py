@@ -20,6 +20,8 @@ from .checks import PipelineSpec, check_pipeline
 from .config import load_ds_config
 from .engine import TeraPipeEngine
 from .failures import together
+from .ds_compat import stage_of_rank
+from .memory import current_rss_mb
 from .model.pipeline import build_pipeline_module
 
 
@@ -56,29 +58,111 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     ds_config, terapipe, stages = spec.ds_config, spec.terapipe, spec.stages
     init_process_group(dist_init_required)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = get_accelerator().device_name(local_rank)
+    baseline_mb = current_rss_mb()  # the memory limit counts from here
+    layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device)
+                      if measured_split(spec) else (None, None))
+    split = layout.split if layout else None
+    ds_config = with_checkpointing(ds_config, layout)
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
-             device=get_accelerator().device_name(local_rank))
-    module = build_pipeline_module(model, stages)
+             device=device, split=split)
+    module = build_pipeline_module(model, stages, split=split)
+    if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
+        module.activation_checkpoint_interval = int(layout.ckpt[stage_of_rank(module)])
     config_class = DeepSpeedConfig(ds_config, module.mpu())
     if terapipe.auto:
-        plan, report = plan_slices(spec, module, config_class, model.config.hidden_size)
+        if layout is not None:
+            plan = layout.plan.to_slice_plan()
+        else:
+            plan, report = plan_slices(spec, module, config_class, model.config.hidden_size)
         ds_config = {**ds_config, "train_micro_batch_size_per_gpu": plan.microbatch_size,
                      "gradient_accumulation_steps": plan.microbatches}
         ds_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
         config_class = DeepSpeedConfig(ds_config, module.mpu())
     else:
-        plan, report = terapipe.plan(config_class.gradient_accumulation_steps,
-                                     config_class.train_micro_batch_size_per_gpu), None
+        plan = terapipe.plan(config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu)
     deepspeed.set_optimizer_flags(config_class, module)
     engine = TeraPipeEngine(args=args, model=module, optimizer=optimizer,
                             model_parameters=[p for p in module.parameters() if p.requires_grad],
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                            config_class=config_class, plan=plan, schedule=terapipe.schedule,
+                            config_class=config_class, plan=plan,
+                            schedule=layout.schedule if layout and layout.schedule else terapipe.schedule,
                             hidden_size=model.config.hidden_size,
                             defer_weight_grads=terapipe.defer_weight_grads)
     engine.plan_report = report
+    engine.memory_budget = memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def measured_split(spec: PipelineSpec) -> bool:
+    """``"slices": "auto"`` places the layers by measured cost, unless its cost-model file predates
+    per-layer costs (it then keeps the per-token estimate's split and the file's stage costs)."""
+    return spec.terapipe.auto and (spec.cost is None or "layers" in spec.cost.meta)
+
+
+def with_checkpointing(ds_config: dict, layout) -> dict:
+    """With a memory-aware layout the planner owns activation checkpointing: DeepSpeed's interval 0
+    (each stage's module gets its own), non-reentrant checkpoints."""
+    if layout is None or layout.ckpt is None:
+        return ds_config
+    pipeline = {**ds_config.get("pipeline", {}), "activation_checkpoint_interval": 0, "use_reentrant": False}
+    return {**ds_config, "pipeline": pipeline}
+
+
+def memory_limit_bytes(terapipe, device) -> float | None:
+    """``terapipe.memory_limit_gib`` in bytes; "auto": a GPU's total memory, or this machine's RAM
+    divided by the ranks on it."""
+    limit = terapipe.memory_limit_gib
+    if limit is None:
+        return None
+    if limit != "auto":
+        return float(limit) * 2 ** 30
+    import torch
+    if torch.device(device).type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+
+
+def memory_budget(layout, terapipe, baseline_mb: float, device, stage: int) -> dict | None:
+    """What the run's memory log compares: this stage's predicted peak, the limit, the baseline RSS."""
+    if layout is None or layout.peaks is None:
+        return None
+    return {"baseline_mb": baseline_mb, "limit_mb": memory_limit_bytes(terapipe, device) / 2 ** 20,
+            "predicted_mb": layout.peaks[stage] / 2 ** 20}
+
+
+def replica_batch(ds_config: dict, replicas: int) -> tuple[int, int]:
+    """(microbatch size, microbatches) per replica from DeepSpeed's batch keys, by DeepSpeed's rules
+    (any two of train_batch_size = micro x accumulation x replicas; one alone: the others 1)."""
+    total, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    if micro and accumulation:
+        return int(micro), int(accumulation)
+    if total and micro:
+        return int(micro), max(1, int(total) // (int(micro) * replicas))
+    if total and accumulation:
+        return max(1, int(total) // (int(accumulation) * replicas)), int(accumulation)
+    if total:
+        return max(1, int(total) // replicas), 1
+    return int(micro or 1), int(accumulation or 1)
+
+
+def measured_layout(spec: PipelineSpec, config, device):
+    """The measured split and slices (``planner.auto.measured_layout``), before the model is built.
+    Returns (Layout, report text). Collective."""
+    from .model.adapters import adapter_for
+    from .model.split import split_for_config
+    from .planner.auto import measured_layout as plan
+    terapipe, stages = spec.terapipe, spec.stages
+    micro, accumulation = replica_batch(spec.ds_config, launch_world_size() // stages)
+    adapter = adapter_for(config)
+    analytic = split_for_config(config, stages, adapter.PREFIX, adapter.SUFFIX)
+    fixed_micro = None if terapipe.microbatches == "auto" else micro
+    return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
+                terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
+                memory_limit_bytes(terapipe, device))
 
 
 def plan_slices(spec: PipelineSpec, module, config_class, hidden: int):

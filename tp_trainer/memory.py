@@ -57,6 +57,11 @@ class ActivationTracker:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
+    def bytes_of(self, tensors) -> int:
+        """Bytes of the storages of ``tensors`` that are counted as saved now (each storage once)."""
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        return sum(self._sizes.get(ptr, 0) for ptr in ptrs)
+
     def reset_peak(self) -> None:
         self.peak = self.live
 
@@ -75,9 +80,24 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def memory_report(device, tracker: ActivationTracker | None = None) -> str:
-    """One line: peak RSS, device peak (CUDA), peak activations (when tracked)."""
+def current_rss_mb() -> float:
+    """This process's resident memory now, in MiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * resource.getpagesize() / 2 ** 20
+
+
+def memory_report(device, tracker: ActivationTracker | None = None, budget: dict | None = None) -> str:
+    """One line: peak RSS, device peak (CUDA), peak activations (when tracked); with a memory-aware
+    plan's ``budget`` ({baseline_mb, predicted_mb, limit_mb}: ``initialize.memory_budget``) also the
+    peak above the baseline beside the predicted peak and the limit."""
     parts = [f"peak rss {peak_rss_mb():.0f} MiB"]
+    if budget:
+        parts.append(f"above the {budget['baseline_mb']:.0f} MiB before the model {peak_rss_mb() - budget['baseline_mb']:.0f} "
+                     f"MiB (predicted {budget['predicted_mb']:.0f} MiB, limit {budget['limit_mb']:.0f} MiB)")
     if torch.device(device).type == "cuda":
         parts.append(f"device peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
     if tracker is not None:

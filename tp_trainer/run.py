@@ -192,7 +192,8 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
             _append_jsonl(os.path.join(args.output_dir, "train_log.jsonl"), {"step": step, "loss": loss})
         if step % args.eval_interval == 0 or step == args.max_steps:
             evaluate(engine, job.validation, args, step=step, rank=rank)
-            log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker))
+            log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker,
+                                                                               getattr(engine, "memory_budget", None)))
         if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
             tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, faults.during_save(step),
                               config=job.config)

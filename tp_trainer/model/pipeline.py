@@ -29,16 +29,19 @@ class TeraPipeModule(PipelineModule):
         self.parts = list(self.stage_split.parts)
         if self.global_rank == 0:
             for stage, names in enumerate(self.stage_split.names):
-                logger.info(f"stage {stage}: {' '.join(names)} (cost ~{self.stage_split.costs[stage]:.3g}/token)")
+                logger.info(f"stage {stage}: {' '.join(names)} (cost ~{self.stage_split.costs[stage]:.3g}{self.stage_split.unit})")
         set_layer_bounds(self, self.parts[stage_id], self.parts[stage_id + 1])
 
 
-def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, **kwargs) -> TeraPipeModule:
-    """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages."""
+def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, split: StageSplit | None = None,
+                          **kwargs) -> TeraPipeModule:
+    """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages.
+
+    ``split``: the stage boundaries (e.g. measured by the planner); default the config's estimate."""
     impl = attn_implementation or model.config._attn_implementation or "sdpa"
     adapter = adapter_for(model.config)
     ctx = SliceContext(impl)
-    split = split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
+    split = split or split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
     return TeraPipeModule(adapter.layer_specs(model, ctx), split, ctx, **kwargs)
 
 

@@ -14,6 +14,13 @@ Blocks are assigned to balance an estimate of per-token cost (multiply-adds):
   head:  vocab * hidden  (the LM head is heavy: vocab 50257 x 768 is ~5.5 GPT-2-small blocks)
   embed, norm: ~0        (lookups and one LayerNorm)
 The split minimizes the most expensive stage (contiguous partition, O(stages * N^2) DP).
+
+``split_by_cost`` is the same contiguous partition over MEASURED per-layer costs (seconds of one
+training step's forward + backward of each layer at the run's sequence length and slices, from
+``planner.layer_cost``): with attention over a long context a block can cost more than the head,
+which the per-token estimate above cannot see. Stage boundaries fall between blocks only, so every
+stage holds a block and the prefix / suffix stay on the first / last stage: every family here needs
+that (the engine feeds token ids to the first stage and takes the loss on the last).
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ class StageSplit:
     names: tuple[tuple[str, ...], ...]
     parts: tuple[int, ...]
     costs: tuple[float, ...]
+    unit: str = "/token"  # what ``costs`` count: "/token" (estimate) or " s/step" (measured)
+
+    def describe(self) -> str:
+        """One line: the layers of each stage and its cost."""
+        return " | ".join(f"stage {s}: {_short(names)} ({cost:.3g}{self.unit})"
+                          for s, (names, cost) in enumerate(zip(self.names, self.costs)))
 
 
 PREFIX = ("embed",)          # generic defaults; each family's adapter passes its own names
@@ -106,3 +119,65 @@ def _assemble(counts: list[int], per_block: float, head: float, prefix: tuple, s
         parts.append(parts[-1] + len(stage_names))
         costs.append(cost)
     return StageSplit(tuple(names), tuple(parts), tuple(costs))
+
+
+def split_by_cost(costs, stages: int, num_blocks: int, prefix=PREFIX, suffix=SUFFIX) -> StageSplit:
+    """Contiguous stages minimizing the busiest stage's summed cost (pure; any cost unit).
+
+    ``costs``: one number per pipeline layer, in the order of ``layer_names(num_blocks, prefix,
+    suffix)`` (e.g. measured seconds per step). Boundaries fall between blocks, so each stage holds
+    >= 1 block, the prefix the first stage and the suffix the last. Among splits with the same
+    busiest stage, the one with the least sum of squared stage costs wins (the others most even).
+    Returns a StageSplit whose ``costs`` are the stages' summed costs (unit " s/step").
+    """
+    names = layer_names(num_blocks, prefix, suffix)
+    if len(costs) != len(names):
+        raise ValueError(f"split_by_cost: {len(costs)} costs for {len(names)} layers {names}")
+    if not 1 <= stages <= num_blocks:
+        raise ValueError(f"pipeline stages ({stages}) must be in 1..{num_blocks} (the model's decoder layers)")
+    head, tail = sum(costs[:len(prefix)]), sum(costs[len(names) - len(suffix):])
+    blocks = [float(c) for c in costs[len(prefix):len(names) - len(suffix)]]
+    counts = _counts_by_cost(blocks, stages, head, tail)
+    split = _assemble(counts, 0.0, 0.0, tuple(prefix), tuple(suffix))
+    stage_costs = tuple(sum(costs[a:b]) for a, b in zip(split.parts, split.parts[1:]))
+    return StageSplit(split.names, split.parts, stage_costs, " s/step")
+
+
+def _counts_by_cost(blocks: list[float], stages: int, head: float, tail: float) -> list[int]:
+    """Blocks per stage minimizing (max stage cost, sum of squares); ``head`` / ``tail`` ride on the
+    first / last stage. O(stages * N^2)."""
+    n = len(blocks)
+    prefix_sum = [0.0]
+    for c in blocks:
+        prefix_sum.append(prefix_sum[-1] + c)
+    inf = (float("inf"), float("inf"))
+    best = [[(inf, [])] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = ((0.0, 0.0), [])
+    for k in range(1, stages + 1):
+        for end in range(k, n - (stages - k) + 1):
+            for start in range(k - 1, end):
+                (worst, squares), counts = best[k - 1][start]
+                if worst == float("inf"):
+                    continue
+                cost = prefix_sum[end] - prefix_sum[start] + (head if k == 1 else 0.0) + (tail if k == stages else 0.0)
+                key = (max(worst, cost), squares + cost * cost)
+                if _better(key, best[k][end][0]):
+                    best[k][end] = (key, counts + [end - start])
+    return best[stages][n][1]
+
+
+def _better(key, than, rel: float = 1e-9) -> bool:
+    """Lexicographic ``key < than``, with maxima equal up to ``rel`` (float sums of equal blocks)."""
+    if key[0] < than[0] * (1 - rel):
+        return True
+    return abs(key[0] - than[0]) <= rel * abs(than[0]) and key[1] < than[1]
+
+
+def _short(names) -> str:
+    """'embed pos h.0-h.2 norm head' for a stage's layer names."""
+    blocks = [n for n in names if n.startswith("h.")]
+    rest = [n for n in names if not n.startswith("h.")]
+    span = blocks[0] if len(blocks) == 1 else f"{blocks[0]}-{blocks[-1]}"
+    before = [n for n in rest if names.index(n) < names.index(blocks[0])]
+    after = [n for n in rest if n not in before]
+    return " ".join([*before, span, *after])

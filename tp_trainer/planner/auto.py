@@ -23,6 +23,9 @@ import torch.distributed as tdist
 
 from .cost_model import PipelineCost
 from .dp import PlannedBatch
+from . import memory_plan
+from .layer_cost import LayerCosts, Layout, describe_layout, measure_layers, plan_layout
+from .memory_plan import NoPlanFits
 from .profile import profile_stage, stage_functions, time_copy
 from .report import make_plan, report
 
@@ -120,6 +123,84 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
     if _dist()[1] > 1:
         tdist.broadcast_object_list(result, src=0)
     return result[0]
+
+
+def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, microbatch_size: int | None = None,
+                    granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
+                    schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
+                    memory_limit: float | None = None) -> tuple[Layout, str]:
+    """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
+    from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
+    (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
+    ``analytic`` (the per-token estimate's split) is priced beside it in the report. Rank 0 writes
+    ``cost_model_path`` when it does not exist yet. ``memory_limit`` (bytes per rank): the order and
+    checkpointing are chosen too (``memory_plan``); ``memory_plan.NoPlanFits`` on every rank if none fits."""
+    rank, world = _dist()
+    if cost is not None:
+        layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
+                                           cost.p2p_per_byte, cost.meta)
+    else:
+        layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
+                                                   time_budget_s, device)
+    result = [None]
+    if rank == 0:
+        try:
+            result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
+                            latency, per_byte, meta, memory_limit)]
+        except NoPlanFits as err:
+            result = [err]
+        layout = result[0][0] if isinstance(result[0], tuple) else None
+        if layout is not None and cost_model_path and not os.path.isfile(cost_model_path):
+            layout.cost.save(cost_model_path)
+    if world > 1:
+        tdist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], Exception):
+        raise NoPlanFits(str(result[0]))
+    return result[0]
+
+
+def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device):
+    """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta)."""
+    rank, world = _dist()
+    sizes = [microbatch_size] if microbatch_size else _divisors(batch)
+    mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world)
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        tdist.all_gather_object(everyone, mine)
+    parts = {name: part for measured in everyone for name, part in measured.items()}
+    layers = LayerCosts(parts["prefix"][0], parts["block"][0], parts["suffix"][0], int(config.num_hidden_layers),
+                        prefix, suffix, {name: parts[name][1] for name in parts})
+    latency, per_byte = measure_p2p(config.hidden_size, seq_len, parts["block"][0].bytes_per_element)
+    meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
+            "torch_threads": torch.get_num_threads(), "world_size": world}
+    return layers, latency, per_byte, meta
+
+
+def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule, latency, per_byte,
+          meta, memory_limit) -> tuple[Layout, str]:
+    """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text."""
+    start = time.perf_counter()
+    layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
+                         per_byte, meta)
+    text = [layers.describe(latency, per_byte), describe_layout(layout, layers, analytic)]
+    if memory_limit is not None:
+        if layers.memory is None:
+            raise NoPlanFits("terapipe.memory_limit_gib: the cost model file has no memory figures; delete "
+                             "terapipe.cost_model's file to profile again")
+        cands = memory_plan.candidates(layers, layers.memory, layout.split, seq_len, batch, stages, granularity,
+                                       microbatch_size, latency, per_byte)
+        hidden_bytes = layers.block.hidden * layers.block.bytes_per_element
+        longest = memory_plan.longest_fitting(layers.memory, layout.split, hidden_bytes, seq_len, stages,
+                                              layout.plan.microbatch_sizes, granularity)
+        best = memory_plan.choose(cands, memory_limit, longest)
+        layout.plan, layout.predicted, layout.schedule = best.plan, best.predicted, best.schedule
+        layout.ckpt, layout.peaks = best.ckpt, best.peaks
+        layout.cost = memory_plan.with_ckpt(layout.cost, best.ckpt)
+        text.append(memory_plan.table(cands, best, memory_limit))
+        schedule = best.schedule
+    text.append(report(layout.plan, layout.cost, stages, schedule, time.perf_counter() - start))
+    return layout, "\n".join(text)
 
 
 def auto_slices(module, seq_len: int, microbatch_size: int, microbatches: int, stages: int, granularity: int = 8,

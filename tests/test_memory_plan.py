@@ -1,0 +1,93 @@
+"""The memory model and the memory-aware plan choice (pure: synthetic costs, no profiling)."""
+
+import numpy as np
+import pytest
+
+from tp_trainer.config import ConfigError, TeraPipeConfig
+from tp_trainer.model.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.split import split_by_cost
+from tp_trainer.planner import memory_plan
+from tp_trainer.planner.cost_model import FEATURES, StageCost
+from tp_trainer.planner.layer_cost import LayerCosts
+from tp_trainer.planner.memory_model import GIB, PartMemory, plan_units, stage_memory, stage_peak
+from tp_trainer.planner.predict import plan_schedules, with_slices
+
+MIB = 2 ** 20
+
+
+def _cost(**terms) -> StageCost:
+    coef = np.zeros(len(FEATURES))
+    for name, value in terms.items():
+        coef[FEATURES.index(name.replace("_", "*"))] = value
+    return StageCost(list(coef), list(2 * coef), hidden=256)
+
+
+PARTS = {"prefix": PartMemory(params=8 * MIB, token=1024.0, pair=0.0, kv=0.0),
+         "block": PartMemory(params=3 * MIB, token=28 * 1024.0, pair=0.0, kv=4096.0),
+         "suffix": PartMemory(params=8 * MIB, token=34 * 1024.0, pair=0.0, kv=0.0)}
+
+
+def layers(blocks=4) -> LayerCosts:
+    block = _cost(**{"1": 1e-4, "b_l": 2e-5, "b_l_l": 4e-9, "b_l_c": 8e-9})
+    return LayerCosts(_cost(**{"1": 1e-5, "b_l": 1e-7}), block, _cost(**{"1": 1e-4, "b_l": 1e-5}), blocks,
+                      PREFIX, SUFFIX, PARTS)
+
+
+def split(stages=2, blocks=4):
+    return split_by_cost([0.0, 0.0, *[1.0] * blocks, 0.0, 0.0], stages, blocks, PREFIX, SUFFIX)
+
+
+def test_gpipe_peak_holds_every_unit_and_the_kv():
+    mem = stage_memory(PARTS, split().names[0], 1024.0, first=True, last=False)
+    plan = with_slices(64, 2, [1], (16, 16, 16, 16))
+    steps = plan_schedules(plan, 2, "gpipe")[0]
+    peak = stage_peak(mem, steps, plan_units(plan), 64, ckpt=False)
+    token = 2 * PARTS["block"].token + PARTS["prefix"].token
+    # all 64 tokens saved + K/V of the sequence + the last unit's backward temporaries (16 tokens)
+    expected = 4 * (8 + 6) * MIB + 64 * token + 64 * 2 * 4096 + 16 * token
+    assert peak == pytest.approx(expected)
+
+
+def test_1f1b_and_checkpointing_lower_the_peak():
+    mem = stage_memory(PARTS, split().names[0], 1024.0, first=True, last=False)
+    plan = with_slices(1024, 2, [1] * 4, (128,) * 8)  # 1f1b helps across microbatches: a sequence's
+    units = plan_units(plan)                           # backward starts at its last slice
+    gpipe = stage_peak(mem, plan_schedules(plan, 2, "gpipe")[0], units, 1024, ckpt=False)
+    ofob = stage_peak(mem, plan_schedules(plan, 2, "1f1b")[0], units, 1024, ckpt=False)
+    ckpt = stage_peak(mem, plan_schedules(plan, 2, "1f1b")[0], units, 1024, ckpt=True)
+    assert ckpt < ofob < gpipe
+    assert mem.static == pytest.approx(4 * (8 + 6) * MIB)
+
+
+def test_choice_is_the_fastest_plan_that_fits():
+    cands = memory_plan.candidates(layers(), PARTS, split(), 2048, 1, 2, granularity=64)
+    fastest = cands[0]
+    assert memory_plan.choose(cands, float("inf")) is fastest
+    tight = (fastest.peak + min(c.peak for c in cands)) / 2
+    chosen = memory_plan.choose(cands, tight)
+    assert chosen.peak <= tight and chosen.predicted >= fastest.predicted
+    assert all(c.predicted >= chosen.predicted for c in cands if c.peak <= tight)
+    assert any(chosen.ckpt) or chosen.schedule == "1f1b" or chosen.label != fastest.label
+    text = memory_plan.table(cands, chosen, tight)
+    assert "->" in text and "peak GiB per stage" in text
+
+
+def test_no_plan_fits_names_the_limit_and_the_longest_sequence():
+    cands = memory_plan.candidates(layers(), PARTS, split(), 2048, 1, 2, granularity=64)
+    least = min(c.peak for c in cands)
+    longest = memory_plan.longest_fitting(PARTS, split(), 1024.0, 2048, 2, (1,), 64)
+    with pytest.raises(memory_plan.NoPlanFits) as err:
+        memory_plan.choose(cands, least * 0.99, longest)
+    message = str(err.value)
+    assert f"raise memory_limit_gib to >= {np.ceil(least / GIB * 100) / 100:.2f}" in message
+    fits = longest(least * 0.99)
+    assert 0 < fits < 2048 and f"shorten terapipe.seq_len to <= {fits} tokens" in message
+    assert longest(max(c.peak for c in cands)) == 2048
+
+
+def test_memory_limit_config_errors():
+    with pytest.raises(ConfigError, match=r"memory_limit_gib: must be a positive number of GiB or \"auto\", got -2"):
+        TeraPipeConfig(slices="auto", memory_limit_gib=-2)
+    with pytest.raises(ConfigError, match=r"memory_limit_gib: 4 needs \"slices\": \"auto\""):
+        TeraPipeConfig(memory_limit_gib=4)
+    assert TeraPipeConfig(slices="auto", memory_limit_gib="auto").memory_limit_gib == "auto"

@@ -1,0 +1,215 @@
+"""Per-layer measured costs: the stage split chosen together with the slices (issue 12, section 4).
+
+A model's pipeline layers are ``[*prefix, N identical blocks, *suffix]``. Three parts are timed
+on a probe model of the same config with ONE block (random weights, this device, fp32), before the
+run's own model is built: the prefix alone (token ids -> hidden), one block, and the suffix alone
+(hidden -> loss), each with ``profile.profile_stage`` over the grid a stage gets. A part's fitted
+``StageCost`` is linear in the cost features, so a stage of k blocks (plus the prefix / suffix)
+costs the sum of the parts' coefficient vectors: every split is priced without profiling it.
+
+``plan_layout`` alternates: split the layers by their cost at the current slices
+(``model.split.split_by_cost``, the busiest stage least), plan the slices for that split's stage
+costs (TeraPipe's DP), until a split repeats; it keeps the (split, plan) of least predicted step.
+The split is a plain value, known before DeepSpeed's PipelineModule is built.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ..model.split import StageSplit, layer_names, split_by_cost
+from .cost_model import PipelineCost, StageCost
+from .dp import PlannedBatch
+from .predict import predict_time, with_slices
+from .report import make_plan
+
+PARTS = ("prefix", "block", "suffix")
+
+
+@dataclass
+class LayerCosts:
+    """Fitted costs of the prefix, of one block and of the suffix of a model of ``blocks`` blocks."""
+
+    prefix: StageCost
+    block: StageCost
+    suffix: StageCost
+    blocks: int
+    prefix_names: tuple
+    suffix_names: tuple
+    memory: dict | None = None   # part -> memory_model.PartMemory (None: not measured)
+
+    def names(self) -> list[str]:
+        return layer_names(self.blocks, self.prefix_names, self.suffix_names)
+
+    def stage_cost(self, names) -> StageCost:
+        """The StageCost of a stage holding ``names`` (sum of its parts' coefficients)."""
+        parts = [self.part_of(n) for n in names if self.part_of(n) is not None]
+        fwd = sum(np.asarray(p.forward) for p in parts)
+        bwd = sum(np.asarray(p.backward) for p in parts)
+        return StageCost(list(map(float, fwd)), list(map(float, bwd)), self.block.hidden,
+                         self.block.bytes_per_element, sum(p.step_time for p in parts), {"from_layers": True})
+
+    def part_of(self, name: str) -> StageCost | None:
+        """The part whose cost ``name`` carries: blocks their own, the first prefix / suffix name the
+        whole prefix / suffix (they always share a stage), the other names None."""
+        if name.startswith("h."):
+            return self.block
+        if name == self.prefix_names[0]:
+            return self.prefix
+        if name == self.suffix_names[0]:
+            return self.suffix
+        return None
+
+    def layer_seconds(self, plan: PlannedBatch) -> list[float]:
+        """Seconds of one step (forward + backward of every unit, optimizer step) per layer name."""
+        sizes, lengths, contexts = [], [], []
+        for b, sl in zip(plan.microbatch_sizes, plan.slices):
+            sizes += [b] * len(sl)
+            lengths += list(sl)
+            contexts += list(np.concatenate([[0], np.cumsum(sl)[:-1]]))
+        out = []
+        for name in self.names():
+            part = self.part_of(name)
+            out.append(0.0 if part is None else
+                       float(np.sum(part.total(np.asarray(sizes, float), np.asarray(lengths, float),
+                                               np.asarray(contexts, float))) + part.step_time))
+        return out
+
+    def split(self, plan: PlannedBatch, stages: int) -> StageSplit:
+        return split_by_cost(self.layer_seconds(plan), stages, self.blocks, self.prefix_names, self.suffix_names)
+
+    def pipeline_cost(self, split: StageSplit, latency: float, per_byte: float, meta: dict | None = None) -> PipelineCost:
+        """The PipelineCost of ``split`` (one StageCost per stage); ``meta["layers"]`` holds these costs,
+        so a cost-model file written from it can be split again."""
+        meta = {**(meta or {}), "layers": self.to_dict(), "split": [list(n) for n in split.names]}
+        return PipelineCost([self.stage_cost(names) for names in split.names], latency, per_byte, meta)
+
+    def describe(self, latency: float, per_byte: float) -> str:
+        """The measured parts: points, held-out error, optimizer step; the link."""
+        lines = []
+        for name in PARTS:
+            part = getattr(self, name)
+            err = part.heldout or {}
+            lines.append(f"{name}: {len(part.samples)} points, held-out error of fwd+bwd mean "
+                         f"{100 * err.get('mean', float('nan')):.1f}% max {100 * err.get('max', float('nan')):.1f}%, "
+                         f"step {1e3 * part.step_time:.1f} ms")
+        lines.append(f"p2p: {1e6 * latency:.0f} us + {per_byte * 1e9:.3f} ns/byte")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"prefix": asdict(self.prefix), "block": asdict(self.block), "suffix": asdict(self.suffix),
+                "blocks": self.blocks, "prefix_names": list(self.prefix_names),
+                "suffix_names": list(self.suffix_names),
+                "memory": None if self.memory is None else {k: asdict(v) for k, v in self.memory.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerCosts":
+        from .memory_model import PartMemory
+        memory = data.get("memory")
+        return cls(*(StageCost(**data[p]) for p in PARTS), int(data["blocks"]), tuple(data["prefix_names"]),
+                   tuple(data["suffix_names"]),
+                   None if memory is None else {k: PartMemory(**v) for k, v in memory.items()})
+
+
+@dataclass
+class Layout:
+    """A measured split with its slice plan: what ``"slices": "auto"`` runs."""
+
+    split: StageSplit
+    plan: PlannedBatch
+    cost: PipelineCost
+    predicted: float           # simulated step time, s
+    busy: tuple                # predicted busy seconds per stage (compute + optimizer step)
+    tried: int                 # splits evaluated
+    schedule: str | None = None  # with a memory limit: the order chosen (None: the config's)
+    ckpt: tuple | None = None    # with a memory limit: activation checkpointing on / off per stage
+    peaks: tuple | None = None   # with a memory limit: predicted peak bytes per stage
+
+
+def stage_busy(layers: LayerCosts, split: StageSplit, plan: PlannedBatch) -> tuple[float, ...]:
+    """Predicted busy seconds of each stage of ``split`` running ``plan``."""
+    seconds = layers.layer_seconds(plan)
+    return tuple(float(sum(seconds[a:b])) for a, b in zip(split.parts, split.parts[1:]))
+
+
+def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granularity: int = 8,
+                microbatch_size: int | None = None, schedule: str = "gpipe", latency: float = 0.0,
+                per_byte: float = 0.0, meta: dict | None = None, rounds: int = 6) -> Layout:
+    """Alternate split <-> slices (see the module docstring); pure given ``layers``."""
+    b = microbatch_size or 1
+    plan = with_slices(seq_len, stages, [b] * (batch // b), (seq_len,))   # start: whole sequences
+    seen: dict = {}
+    split = layers.split(plan, stages)
+    for _ in range(rounds):
+        cost = layers.pipeline_cost(split, latency, per_byte, meta)
+        plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
+        seen[split.parts] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
+                                   stage_busy(layers, split, plan), 0)
+        split = layers.split(plan, stages)
+        if split.parts in seen:
+            break
+    best = min(seen.values(), key=lambda layout: layout.predicted)
+    best.tried = len(seen)
+    return best
+
+
+def describe_layout(layout: Layout, layers: LayerCosts, analytic: StageSplit) -> str:
+    """Report lines: the split chosen, predicted busy time per stage, the analytic split's beside it."""
+    busy = " / ".join(f"{t:.3f}" for t in layout.busy)
+    other = stage_busy(layers, analytic, layout.plan)
+    lines = [f"stage split (measured per-layer cost at these slices, {layout.tried} split(s) tried): "
+             f"{layout.split.describe()}",
+             f"predicted busy per stage: {busy} s (least / most {min(layout.busy) / max(layout.busy):.2f}); "
+             f"the per-token estimate's split {' | '.join(' '.join(n) for n in analytic.names)} would be busy "
+             f"{' / '.join(f'{t:.3f}' for t in other)} s (least / most {min(other) / max(other):.2f})"]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ measuring
+
+def probe_parts(config, device="cpu", dtype=torch.float32):
+    """({part: [callables]}, SliceContext) of a one-block model of ``config`` (random weights; the
+    global RNG is left as it was)."""
+    from deepspeed.pipe import TiedLayerSpec
+    from transformers import AutoModelForCausalLM
+
+    from ..model.adapters import adapter_for
+    from ..model.layers import SliceContext
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(small).to(device=device, dtype=dtype).train()
+    adapter = adapter_for(small)
+    ctx = SliceContext(small._attn_implementation or "sdpa")
+    tied, funcs = {}, []
+    for spec in adapter.layer_specs(model, ctx):
+        if isinstance(spec, TiedLayerSpec):
+            module = tied.setdefault(spec.key, spec.build())
+            funcs.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
+        else:
+            funcs.append(spec.build())
+    n_pre, n_suf = len(adapter.PREFIX), len(adapter.SUFFIX)
+    parts = {"prefix": funcs[:n_pre], "block": funcs[n_pre:n_pre + 1], "suffix": funcs[len(funcs) - n_suf:]}
+    return parts, ctx, adapter
+
+
+def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time_budget_s: float = 60.0,
+                   device="cpu", rank: int = 0, world: int = 1) -> tuple[dict, tuple, tuple]:
+    """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
+    PartMemory)}, prefix names, suffix names)."""
+    from .memory_model import measure_part
+    from .profile import profile_stage
+    parts, ctx, adapter = probe_parts(config, device)
+    mine = [p for i, p in enumerate(PARTS) if i % world == rank]
+    out = {}
+    for name in mine:
+        cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
+                             time_budget_s / len(mine), desc=f"profile {name} (rank {rank})")
+        out[name] = (cost, measure_part(parts[name], ctx, config.hidden_size, seq_len))
+    return out, tuple(adapter.PREFIX), tuple(adapter.SUFFIX)

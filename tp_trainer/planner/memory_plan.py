@@ -1,0 +1,160 @@
+"""The least predicted step whose predicted peak memory stays under ``terapipe.memory_limit_gib``.
+
+Candidates (pure, from a ``LayerCosts`` time model and per-part ``PartMemory``): for each order
+(gpipe, 1f1b) and each activation-checkpointing choice per stage (on / off for the whole stage:
+every layer of the stage checkpointed, one at a time; all 2^K choices up to 4 stages, else all-off /
+all-on), the slices of TeraPipe's DP for that cost (checkpointed stages pay their forward again in
+backward) and the uniform plans of 1, 2, 4, ... slices. Each gets the simulated step time
+(``predict.predict_time``) and each stage's peak (``memory_model.stage_peak`` over the same
+schedule). The fastest one that fits wins; none fitting raises ``NoPlanFits`` naming the smallest
+limit that would fit and the longest sequence that fits this limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ConfigError
+from .cost_model import PipelineCost, StageCost
+from .dp import PlannedBatch, uniform_slices
+from .memory_model import GIB, stage_memory, stage_peak, plan_units
+from .predict import plan_schedules, predict_time, with_slices
+from .report import make_plan
+
+COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class NoPlanFits(ConfigError):
+    """No plan's predicted peak fits the memory limit (raised before the model is built)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan with its order and checkpointing; predicted step (s) and peak bytes per stage."""
+
+    plan: PlannedBatch
+    schedule: str
+    ckpt: tuple
+    predicted: float
+    peaks: tuple
+    label: str
+
+    @property
+    def peak(self) -> float:
+        return max(self.peaks)
+
+
+def recompute(stage: StageCost) -> StageCost:
+    """The stage with activation checkpointing: its backward also runs the forward again."""
+    backward = list(np.asarray(stage.backward) + np.asarray(stage.forward))
+    return StageCost(stage.forward, backward, stage.hidden, stage.bytes_per_element, stage.step_time, stage.heldout)
+
+
+def with_ckpt(cost: PipelineCost, ckpt: tuple) -> PipelineCost:
+    """``cost`` with the checkpointed stages' recompute added."""
+    return PipelineCost([recompute(s) if on else s for s, on in zip(cost.stages, ckpt)], cost.p2p_latency,
+                        cost.p2p_per_byte, cost.meta)
+
+
+def ckpt_choices(stages: int) -> list[tuple]:
+    if stages <= 4:
+        return list(itertools.product((False, True), repeat=stages))
+    return [(False,) * stages, (True,) * stages]
+
+
+def memories(parts: dict, split, hidden_bytes: float) -> list:
+    last = len(split.names) - 1
+    return [stage_memory(parts, names, hidden_bytes, s == 0, s == last) for s, names in enumerate(split.names)]
+
+
+def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple) -> tuple:
+    """Predicted peak bytes of every stage for ``plan`` under ``schedule`` with ``ckpt`` per stage."""
+    steps = plan_schedules(plan, len(mems), schedule)
+    units = plan_units(plan)
+    return tuple(stage_peak(m, steps[s], units, plan.seq_len, ckpt[s]) for s, m in enumerate(mems))
+
+
+def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int, granularity: int = 8,
+               microbatch_size: int | None = None, latency: float = 0.0, per_byte: float = 0.0,
+               schedules=("gpipe", "1f1b")) -> list[Candidate]:
+    """Every candidate (see the module docstring), fastest first."""
+    base = layers.pipeline_cost(split, latency, per_byte)
+    mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element)
+    out = []
+    for ckpt in ckpt_choices(stages):
+        cost = with_ckpt(base, ckpt)
+        dp_plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
+        plans = [("DP", dp_plan)] + [(f"uniform:{n}", with_slices(seq_len, stages, dp_plan.microbatch_sizes,
+                                                                  uniform_slices(seq_len, n)))
+                                     for n in COUNTS if n <= seq_len // granularity]
+        for (label, plan), schedule in itertools.product(plans, schedules):
+            if schedule != "gpipe" and not plan.uniform_microbatches:
+                continue
+            out.append(Candidate(plan, schedule, ckpt, predict_time(plan, cost, stages, schedule),
+                                 peaks(plan, mems, schedule, ckpt), label))
+    return sorted(out, key=lambda c: (c.predicted, c.peak))
+
+
+def choose(cands: list[Candidate], limit_bytes: float, longest=None) -> Candidate:
+    """The fastest candidate whose every stage's peak is <= ``limit_bytes``; else ``NoPlanFits``.
+    ``longest``: a callable giving the longest sequence that fits the limit (for the message)."""
+    fitting = [c for c in cands if c.peak <= limit_bytes]
+    if fitting:
+        return fitting[0]
+    least = min(cands, key=lambda c: c.peak)
+    seq = least.plan.seq_len
+    hint = ""
+    if longest is not None:
+        fits = longest(limit_bytes)
+        hint = (f", or shorten terapipe.seq_len to <= {fits} tokens (the longest that fits "
+                f"{limit_bytes / GIB:.2f} GiB)") if fits else ", and no sequence length fits it"
+    raise NoPlanFits(f"terapipe.memory_limit_gib: no plan fits {limit_bytes / GIB:.2f} GiB per rank at seq_len {seq}: "
+                     f"the least predicted peak is {least.peak / GIB:.2f} GiB ({describe(least)}); raise "
+                     f"memory_limit_gib to >= {np.ceil(least.peak / GIB * 100) / 100:.2f}{hint}")
+
+
+def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stages: int, microbatch_sizes,
+                    granularity: int = 8):
+    """A function limit -> the longest sequence (a multiple of ``granularity``, <= seq_len) for which
+    some uniform plan fits (any order and checkpointing); 0 if none."""
+    mems = memories(parts, split, hidden_bytes)
+
+    def least_peak(length: int) -> float:
+        counts = [n for n in COUNTS if n <= max(1, length // granularity)]
+        return min(max(peaks(with_slices(length, stages, microbatch_sizes, uniform_slices(length, n)), mems,
+                             schedule, ckpt))
+                   for n in counts for schedule in ("gpipe", "1f1b") for ckpt in ckpt_choices(stages))
+
+    def longest(limit: float) -> int:
+        lo, hi = 0, seq_len // granularity
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if least_peak(mid * granularity) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * granularity
+    return longest
+
+
+def describe(c: Candidate) -> str:
+    on = [str(s) for s, flag in enumerate(c.ckpt) if flag]
+    ckpt = f"checkpointing on stage {','.join(on)}" if on else "no checkpointing"
+    slices = c.plan.slices[0]
+    return f"{c.label} ({len(slices)} slices), {c.schedule}, {ckpt}"
+
+
+def table(cands: list[Candidate], chosen: Candidate, limit_bytes: float, rows: int = 6) -> str:
+    """The chosen plan and the runners-up: predicted step beside predicted peak per stage."""
+    lines = [f"memory-aware plan (limit {limit_bytes / GIB:.2f} GiB per rank; peak = parameters, gradients, AdamW "
+             f"state, activations and K/V in flight, recompute):",
+             f"{'':2}{'plan':<52}{'step s':>9}  peak GiB per stage"]
+    shown = [chosen] + [c for c in cands if c is not chosen][:rows - 1]
+    for c in shown:
+        mark = "->" if c is chosen else ("  " if c.peak <= limit_bytes else " x")
+        lines.append(f"{mark}{describe(c):<52}{c.predicted:>9.3f}  " + " / ".join(f"{p / GIB:.3f}" for p in c.peaks))
+    lines.append("(x: over the limit)")
+    return "\n".join(lines)
