@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..model.split import StageSplit, layer_names, split_by_cost
-from .cost_model import PipelineCost, StageCost
+from .cost_model import PipelineCost, StageCost, features
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
 from .report import make_plan
@@ -52,7 +52,8 @@ class LayerCosts:
         fwd = sum(np.asarray(p.forward) for p in parts)
         bwd = sum(np.asarray(p.backward) for p in parts)
         return StageCost(list(map(float, fwd)), list(map(float, bwd)), self.block.hidden,
-                         self.block.bytes_per_element, sum(p.step_time for p in parts), {"from_layers": True})
+                         self.block.bytes_per_element, sum(p.step_time for p in parts), {"from_layers": True},
+                         _weight_samples(parts, self.block.samples))
 
     def part_of(self, name: str) -> StageCost | None:
         """The part whose cost ``name`` carries: blocks their own, the first prefix / suffix name the
@@ -114,6 +115,22 @@ class LayerCosts:
         return cls(*(StageCost(**data[p]) for p in PARTS), int(data["blocks"]), tuple(data["prefix_names"]),
                    tuple(data["suffix_names"]),
                    None if memory is None else {k: PartMemory(**v) for k, v in memory.items()})
+
+
+def _weight_samples(parts, points) -> list:
+    """Rows [b, l, c, fwd, bwd, W] of a stage summed from its parts' fits at ``points`` (the block's
+    measured (b, l, c)), so ``predict.weight_grad_fit`` finds the stage's W time (the parts' W fits
+    summed: exact in the fit's basis); [] when a part has no W measurement."""
+    from .predict import weight_grad_fit
+    fits = [weight_grad_fit(p) for p in parts]
+    if not points or any(f is None for f in fits):
+        return []
+    x = np.asarray(points, dtype=float)[:, :3]
+    feats = features(x[:, 0], x[:, 1], x[:, 2])
+    fwd = sum(feats @ np.asarray(p.forward) for p in parts)
+    bwd = sum(feats @ np.asarray(p.backward) for p in parts)
+    wgt = sum(np.clip(feats @ np.asarray(f), 0.0, None) for f in fits)
+    return np.column_stack([x, fwd, bwd, np.minimum(wgt, bwd)]).tolist()
 
 
 @dataclass

@@ -15,6 +15,10 @@ A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own sche
                  backward of its slice 0
     backward     the unit being run back also needs its gradients' temporaries, taken as its own
                  saved bytes again
+    deferred W   where the schedule defers weight gradients (``WeightGrad``), a unit's backward keeps
+                 its linear layers' inputs and output gradients until its W: per token 16 hidden
+                 values per block (inputs 7h, output gradients 9h of the 4 projections) and the
+                 suffix's saved bytes (the logits' gradient)
     checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only each
                  block's input (b l hidden x itemsize per block) and the prefix / suffix; its
                  backward recomputes one block at a time: + one block's saved bytes of that unit
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..schedule import BackwardSlice, ForwardSlice
+from ..schedule import BackwardSlice, ForwardSlice, WeightGrad
 
 GIB = 2 ** 30
 
@@ -56,6 +60,7 @@ class StageMemory:
     block_pair: float
     kept_token: float      # checkpointed: bytes kept per token (blocks' inputs + prefix / suffix saved)
     input_token: float     # bytes per token of the received activation (later stages)
+    w_token: float = 0.0   # bytes per token kept from a unit's B to its deferred W
 
     def saved(self, b, l, c, ckpt: bool) -> float:
         if ckpt:
@@ -78,7 +83,8 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
                        pair=sum(p.pair for p in held), kv=sum(p.kv for p in held),
                        block_token=parts["block"].token, block_pair=parts["block"].pair,
                        kept_token=blocks * hidden_bytes + sum(p.token for p in ends),
-                       input_token=0.0 if first else hidden_bytes)
+                       input_token=0.0 if first else hidden_bytes,
+                       w_token=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last else 0.0))
 
 
 def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool) -> float:
@@ -86,6 +92,7 @@ def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool
     of instructions); ``units[(m, j)] = (b, l, c)``."""
     live = peak = 0.0
     started = set()
+    deferred = {(ins.microbatch, ins.slice) for step in steps for ins in step if isinstance(ins, WeightGrad)}
     for step in steps:
         for ins in step:
             if isinstance(ins, ForwardSlice):
@@ -101,6 +108,12 @@ def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool
                 live -= memory.saved(b, l, c, ckpt)
                 if ins.slice == 0:
                     live -= b * seq_len * memory.kv
+                if (ins.microbatch, ins.slice) in deferred:
+                    live += b * l * memory.w_token
+                    peak = max(peak, live)
+            elif isinstance(ins, WeightGrad):
+                b, l, _ = units[(ins.microbatch, ins.slice)]
+                live -= b * l * memory.w_token
     return memory.static + peak
 
 

@@ -70,16 +70,17 @@ def memories(parts: dict, split, hidden_bytes: float) -> list:
     return [stage_memory(parts, names, hidden_bytes, s == 0, s == last) for s, names in enumerate(split.names)]
 
 
-def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple) -> tuple:
-    """Predicted peak bytes of every stage for ``plan`` under ``schedule`` with ``ckpt`` per stage."""
-    steps = plan_schedules(plan, len(mems), schedule)
+def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple, split_weight_grads: bool = True) -> tuple:
+    """Predicted peak bytes of every stage for ``plan`` under ``schedule`` with ``ckpt`` per stage
+    (``split_weight_grads``: the engine defers W, as with fp32 / ZeRO <= 1 and defer_weight_grads)."""
+    steps = plan_schedules(plan, len(mems), schedule, split_weight_grads)
     units = plan_units(plan)
     return tuple(stage_peak(m, steps[s], units, plan.seq_len, ckpt[s]) for s, m in enumerate(mems))
 
 
 def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int, granularity: int = 8,
                microbatch_size: int | None = None, latency: float = 0.0, per_byte: float = 0.0,
-               schedules=("gpipe", "1f1b")) -> list[Candidate]:
+               schedules=("gpipe", "1f1b"), split_weight_grads: bool = True) -> list[Candidate]:
     """Every candidate (see the module docstring), fastest first."""
     base = layers.pipeline_cost(split, latency, per_byte)
     mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element)
@@ -90,11 +91,14 @@ def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int
         plans = [("DP", dp_plan)] + [(f"uniform:{n}", with_slices(seq_len, stages, dp_plan.microbatch_sizes,
                                                                   uniform_slices(seq_len, n)))
                                      for n in COUNTS if n <= seq_len // granularity]
+        seen = set()  # a uniform plan equal to the DP's is the DP's
         for (label, plan), schedule in itertools.product(plans, schedules):
-            if schedule != "gpipe" and not plan.uniform_microbatches:
+            key = (plan.microbatch_sizes, plan.slices, schedule)
+            if (schedule != "gpipe" and not plan.uniform_microbatches) or key in seen:
                 continue
+            seen.add(key)
             out.append(Candidate(plan, schedule, ckpt, predict_time(plan, cost, stages, schedule),
-                                 peaks(plan, mems, schedule, ckpt), label))
+                                 peaks(plan, mems, schedule, ckpt, split_weight_grads), label))
     return sorted(out, key=lambda c: (c.predicted, c.peak))
 
 
