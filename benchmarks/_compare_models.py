@@ -24,6 +24,14 @@ FUSED = True
 
 
 def model_config(args):
+    """GPT-2 (``args.family`` "gpt2", the default), or a Llama-style model (rotary, grouped-query
+    attention: ``args.n_kv_head`` key/value heads, untied head) for ``args.family`` "llama"."""
+    if getattr(args, "family", "gpt2") == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(num_hidden_layers=args.n_layer, hidden_size=args.n_embd, num_attention_heads=args.n_head,
+                           num_key_value_heads=args.n_kv_head, intermediate_size=args.n_embd * 8 // 3,
+                           vocab_size=args.vocab_size, max_position_embeddings=max(2048, args.seq_len),
+                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     from transformers import GPT2Config
     return GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab_size,
                       n_positions=max(1024, args.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -37,27 +45,29 @@ def batches(args, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in blocks]
 
 
-def ds_config(args, terapipe: dict | None = None) -> dict:
+def ds_config(args, terapipe: dict | None = None, pipeline: dict | None = None) -> dict:
+    """``pipeline``: extra keys of DeepSpeed's pipeline section (e.g. activation checkpointing)."""
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.batch,
               "steps_per_print": 10 ** 6, "wall_clock_breakdown": False,
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; (d) does not clip either
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                         "weight_decay": WEIGHT_DECAY, "torch_adam": True,
                                                         "fused": FUSED}},
-              "pipeline": {"stages": args.stages}}
+              "pipeline": {"stages": args.stages, **(pipeline or {})}}
     if terapipe is not None:
         config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe", **terapipe}
     return config
 
 
-def terapipe_engine(args, slices, cost_model: str | None = None):
-    """(b) slices = "uniform:N" or a list; (c) slices = "auto" (profile or ``cost_model``, then the DP)."""
+def terapipe_engine(args, slices, cost_model: str | None = None, more: dict | None = None):
+    """(b) slices = "uniform:N" or a list; (c) slices = "auto" (profile or ``cost_model``, then the DP).
+    ``more``: more keys of the terapipe section (they override the defaults above)."""
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
     extra = {"slices": slices}
     if slices == "auto":
         extra.update(cost_model=cost_model, profile_seconds=args.budget, granularity=8)
-    return initialize(meta_model(model_config(args)), ds_config(args, extra), seed=args.seed)[0]
+    return initialize(meta_model(model_config(args)), ds_config(args, {**extra, **(more or {})}), seed=args.seed)[0]
 
 
 # ----------------------------------------------------------------------------- (a) stock DeepSpeed
@@ -104,29 +114,60 @@ class Plain(nn.Module):
         return self.inner(hidden)
 
 
+class WholeSequenceRotaryBlock(nn.Module):
+    """An HF LlamaDecoderLayer on the whole sequence: rotary cos / sin at positions 0..L-1 from the
+    model's rotary module, no mask (SDPA's causal kernel)."""
+
+    def __init__(self, layer, rotary):
+        super().__init__()
+        self.inner, self.rotary = layer, rotary
+
+    def forward(self, hidden):
+        positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        return self.inner(hidden, position_ids=positions, position_embeddings=self.rotary(hidden, positions))
+
+
+def gpt2_stock_specs(model) -> list:
+    """(a)'s layers of a GPT2LMHeadModel: token embedding tied with the LM head, positions, blocks, norm."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    body = model.transformer
+    return [TiedLayerSpec("embed", Embedding, body.wte, tied_weight_attr=["inner.weight"]),
+            LayerSpec(Positions, body.wpe),
+            *(LayerSpec(WholeSequenceBlock, block) for block in body.h),
+            LayerSpec(Plain, body.ln_f),
+            TiedLayerSpec("embed", Embedding, body.wte, forward_fn=tied_head, tied_weight_attr=["inner.weight"])]
+
+
+def llama_stock_specs(model) -> list:
+    """(a)'s layers of a LlamaForCausalLM, in the Llama adapter's order (embed, blocks, norm, head)."""
+    from deepspeed.pipe import LayerSpec
+    body = model.model
+    return [LayerSpec(Embedding, body.embed_tokens),
+            *(LayerSpec(WholeSequenceRotaryBlock, layer, body.rotary_emb) for layer in body.layers),
+            LayerSpec(Plain, body.norm), LayerSpec(Plain, model.lm_head)]
+
+
 def mean_cross_entropy(logits, labels):
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def stock_engine(args):
-    """(a): the same layers and stage split, DeepSpeed's PipelineEngine and TrainSchedule."""
+def stock_engine(args, activation_checkpoint: bool = False):
+    """(a): the same layers and stage split, DeepSpeed's PipelineEngine and TrainSchedule.
+    ``activation_checkpoint``: DeepSpeed's activation checkpointing of every layer, non-reentrant
+    (its reentrant default fails here: "element 0 of tensors does not require grad")."""
     import deepspeed
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import PipelineModule
 
     from tp_trainer.checkpoint import materialize_stage, meta_model
-    from tp_trainer.model import gpt2
+    from tp_trainer.model import gpt2, llama
     from tp_trainer.model.split import split_for_config
 
     config = model_config(args)
     model = meta_model(config)
     materialize_stage(model, args.stages, None, seed=args.seed)  # this rank's stage only
-    body = model.transformer
-    specs = [TiedLayerSpec("embed", Embedding, body.wte, tied_weight_attr=["inner.weight"]),
-             LayerSpec(Positions, body.wpe),
-             *(LayerSpec(WholeSequenceBlock, block) for block in body.h),
-             LayerSpec(Plain, body.ln_f),
-             TiedLayerSpec("embed", Embedding, body.wte, forward_fn=tied_head, tied_weight_attr=["inner.weight"])]
-    parts = split_for_config(config, args.stages, gpt2.PREFIX, gpt2.SUFFIX).parts
+    family = llama if config.model_type == "llama" else gpt2
+    specs = llama_stock_specs(model) if family is llama else gpt2_stock_specs(model)
+    parts = split_for_config(config, args.stages, family.PREFIX, family.SUFFIX).parts
 
     class StockPipe(PipelineModule):  # DeepSpeed's module; only the stage boundaries are given
         def _partition_layers(self, method="given"):
@@ -135,7 +176,8 @@ def stock_engine(args):
             self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
     module = StockPipe(specs, num_stages=args.stages, loss_fn=mean_cross_entropy, partition_method="given")
-    engine = deepspeed.initialize(model=module, config=ds_config(args),
+    checkpointing = {"activation_checkpoint_interval": 1, "use_reentrant": False} if activation_checkpoint else None
+    engine = deepspeed.initialize(model=module, config=ds_config(args, pipeline=checkpointing),
                                   model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
     return engine
 

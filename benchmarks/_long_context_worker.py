@@ -1,0 +1,308 @@
+"""One rank of long_context.py: one model, one variant, sequence lengths in increasing order.
+
+Per length, in the same process pair: the peak-RSS mark is reset (``/proc/self/clear_refs``), the
+engine is built, ``warmup`` + ``steps`` steps run (barrier before each; step time = the slowest
+rank's), then the engine is dropped. Per stage it records the peak RSS (absolute, and above the
+RSS before the engine was built), the peak of saved activations (``memory.ActivationTracker``:
+every tensor autograd keeps for backward, K/V buffers included; inside non-reentrant activation
+checkpoints only what a checkpoint keeps outside is seen), step time and tokens/s.
+
+Never into an out-of-memory kill: before each length, every stage's peak is predicted from the
+lengths measured so far (``predict_peak``: a + b L + c L^2 once three points exist) and the variant
+stops when a prediction exceeds the cap; a watchdog thread ends the rank (exit 75, results so far
+kept) if its RSS ever passes the cap anyway. Results go to ``OUT/<variant>.rank<r>.json`` after
+every length.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+GIB = 2 ** 30
+WATCHDOG_EXIT = 75
+# measured peaks are multiplied by this before comparing a prediction with the cap
+MARGIN = 1.10
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def hwm_bytes() -> int:
+    """VmHWM: the process's peak resident memory since the last reset."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def release_memory() -> None:
+    """Collect garbage and hand glibc's free heap pages back to the OS, so the next length's
+    baseline is what is still in use."""
+    import ctypes
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+def available_bytes() -> int:
+    """MemAvailable: what the machine can still give without swapping or killing (other jobs count)."""
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def reset_hwm() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def predict_peak(points: list[tuple[int, float, float]], length: int) -> float:
+    """Predicted peak (bytes) at ``length`` from [(L, base, peak)] measured at shorter lengths:
+    with one point the part above the pre-build RSS doubles with L (activations are linear in L),
+    with two a line through both, with three or more the larger of the least-squares
+    a + b L + c L^2 and the line through the last two; times MARGIN."""
+    if not points:
+        return 0.0
+    lengths = np.array([p[0] for p in points], dtype=float)
+    peaks = np.array([p[2] for p in points], dtype=float)
+    if len(points) == 1:
+        length0, base, peak = points[0]
+        return MARGIN * (base + (peak - base) * length / length0)
+    slope = (peaks[-1] - peaks[-2]) / (lengths[-1] - lengths[-2])
+    line = peaks[-1] + slope * (length - lengths[-1])
+    if len(points) == 2:
+        return MARGIN * line
+    quadratic = float(np.polyval(np.polyfit(lengths, peaks, 2), length))
+    return MARGIN * max(line, quadratic)
+
+
+class Watchdog(threading.Thread):
+    """Ends this rank (exit 75) if its RSS passes ``cap`` bytes, or if the machine's available
+    memory falls under ``FLOOR`` (other jobs share it: the kernel's OOM killer might pick any of
+    them): a last guard, never the plan."""
+
+    FLOOR = 0.75 * GIB
+
+    def __init__(self, cap: float, on_trip):
+        super().__init__(daemon=True)
+        self.cap, self.on_trip = cap, on_trip
+
+    def run(self):
+        while True:
+            rss, available = rss_bytes(), available_bytes()
+            if rss > self.cap or available < self.FLOOR:
+                self.on_trip(rss, available)
+                os._exit(WATCHDOG_EXIT)
+            time.sleep(0.05)
+
+
+def build(variant: str, ns, work: str, limit_gib: float | None):
+    """The engine of ``variant`` at ``ns.seq_len`` (see long_context.VARIANTS)."""
+    import _compare_models as cm
+    if variant == "a":
+        return cm.stock_engine(ns)
+    if variant == "a_ckpt":
+        return cm.stock_engine(ns, activation_checkpoint=True)
+    cost = os.path.join(work, f"cost_{ns.family}_{ns.seq_len}.json")  # (e) reuses (c)'s profile
+    more = {"granularity": max(8, ns.seq_len // 256)}
+    if variant == "e":
+        more["memory_limit_gib"] = round(limit_gib, 3)
+    return cm.terapipe_engine(ns, "auto", cost, more)
+
+
+def track_activations(engine, tracker) -> None:
+    """Count saved activations on DeepSpeed's stock engine too (TeraPipeEngine has its own hook)."""
+    if hasattr(engine, "activation_tracker"):
+        engine.activation_tracker = tracker
+        return
+    module = engine.module  # DeepSpeed calls module(inputs), then module.loss_fn(outputs, labels)
+    for name in ("forward", "loss_fn"):
+        setattr(module, name, _tracked(getattr(module, name), tracker))
+
+
+def _tracked(function, tracker):
+    def tracked(*args, **kwargs):
+        with tracker.track():
+            return function(*args, **kwargs)
+    return tracked
+
+
+def plan_of(engine) -> dict:
+    """What the TeraPipe planner chose and predicted, where the engine exposes it: slices and order;
+    with a memory limit (``engine.memory_budget``) this stage's predicted peak above the baseline,
+    and from the plan report's chosen line ("->") the plan, its predicted step and stage peaks."""
+    plan = getattr(engine, "plan", None)
+    if plan is None or not hasattr(plan, "slices"):
+        return {}
+    out = {"slices": list(plan.slices), "schedule": getattr(engine, "schedule_name", None),
+           "ckpt_interval": getattr(engine.module, "activation_checkpoint_interval", 0)}
+    budget = getattr(engine, "memory_budget", None)
+    if budget:
+        out["predicted_peak_gib"] = budget["predicted_mb"] / 1024
+        out["limit_gib"] = budget["limit_mb"] / 1024
+    for line in (getattr(engine, "plan_report", None) or "").splitlines():
+        chosen = re.match(r"^->(.*\S)\s+([0-9.]+)\s+([0-9.]+(?: / [0-9.]+)*)$", line)
+        if chosen:
+            out["chosen"] = chosen.group(1).strip()
+            out["predicted_step_s"] = float(chosen.group(2))
+    return out
+
+
+def predict_step(points: list[tuple[int, float]], length: int) -> float:
+    """Predicted step time (s) at ``length`` from [(L, step)]: the last step x (L / L_last)^2
+    (attention is quadratic) until three points allow a least-squares a + b L + c L^2; the larger."""
+    if not points:
+        return 0.0
+    last_length, last = points[-1]
+    guess = last * (length / last_length) ** 2
+    if len(points) < 3:
+        return guess
+    fitted = float(np.polyval(np.polyfit([p[0] for p in points], [p[1] for p in points], 2), length))
+    return max(fitted, 0.5 * guess)
+
+
+def measure(variant, ns, args, work, limit_gib, warmup: int):
+    """Build, train ``warmup + args.steps`` steps, drop the engine; this rank's record."""
+    import _compare_models as cm
+    import torch.distributed as tdist
+
+    from tp_trainer.memory import ActivationTracker
+    release_memory()
+    reset_hwm()
+    base = rss_bytes()
+    began = time.perf_counter()
+    engine = build(variant, ns, work, limit_gib)
+    build_s = time.perf_counter() - began
+    tracker = ActivationTracker(engine.module.parameters())
+    track_activations(engine, tracker)
+    times, loss = [], None
+    for step in range(warmup + args.steps):
+        data = cm.batches(ns, step)
+        tdist.barrier()
+        start = time.perf_counter()
+        loss = float(engine.train_batch(iter(data)))
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            times.append(elapsed)
+    record = {"length": ns.seq_len, "stage": engine.stage_id, "base_bytes": base, "peak_bytes": hwm_bytes(),
+              "activations_bytes": tracker.peak, "step_s": times, "build_s": build_s, "loss": loss,
+              "plan": plan_of(engine), "load": os.getloadavg()[0], "warmup": warmup}
+    del engine, tracker
+    gc.collect()
+    return record
+
+
+def next_fits(history: list[list[dict]], length: int, cap: float) -> tuple[bool, float]:
+    """(fits, the highest predicted stage peak) at ``length`` from every stage's records so far."""
+    worst = 0.0
+    stages = {r["stage"] for records in history for r in records}
+    for stage in stages:
+        points = [(r["length"], r["base_bytes"], r["peak_bytes"]) for records in history for r in records
+                  if r["stage"] == stage]
+        worst = max(worst, predict_peak(points, length))
+    return worst <= cap, worst
+
+
+def _machine_room() -> float:
+    """The lowest over ranks of RSS + 0.8 x available memory / world size (a collective)."""
+    import torch
+    import torch.distributed as tdist
+    world = tdist.get_world_size()
+    room = torch.tensor([rss_bytes() + 0.8 * (available_bytes() - Watchdog.FLOOR) / world], dtype=torch.float64)
+    tdist.all_reduce(room, op=tdist.ReduceOp.MIN)
+    return float(room)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as tdist
+    from _ranks import quiet_deepspeed
+    from tp_trainer.initialize import init_process_group
+    torch.set_num_threads(1)
+    quiet_deepspeed()
+    init_process_group()  # the stock engine's per-stage weights need it before deepspeed.initialize
+    rank = int(os.environ["RANK"])
+    cap = args.mem_cap_gib * GIB
+    out = os.path.join(args.work, f"{args.variant}.rank{rank}.json")
+    result = {"variant": args.variant, "family": args.family, "rank": rank, "records": [], "stop": None}
+
+    def save(stop=None):
+        result["stop"] = stop or result["stop"]
+        with open(out, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+
+    Watchdog(cap, lambda rss, free: save(f"watchdog: RSS {rss / GIB:.2f} GiB, machine's available memory "
+                                         f"{free / GIB:.2f} GiB: stopped before an out-of-memory kill")).start()
+    say = (lambda text: print(f"[long_context {args.family} {args.variant}] {text}", flush=True)) \
+        if rank == 0 else (lambda text: None)
+    history: list[list[dict]] = []
+    for length in args.lengths:
+        fits, predicted = next_fits(history, length, cap)
+        if not fits:
+            save(f"predicted peak {predicted / GIB:.2f} GiB at {length} tokens > cap {args.mem_cap_gib:g} GiB")
+            say(result["stop"])
+            break
+        room = _machine_room()  # every rank's RSS + its share of what the machine has available now
+        if predicted > room:
+            save(f"machine memory: predicted peak {predicted / GIB:.2f} GiB at {length} tokens > "
+                 f"{room / GIB:.2f} GiB (this rank's RSS + its share of the machine's available memory)")
+            say(result["stop"])
+            break
+        steps = [(rows[0]["length"], max(min(r["step_s"]) for r in rows)) for rows in history]
+        slow = predict_step(steps, length)
+        if slow > args.max_step_s:
+            save(f"time limit: predicted step {slow:.0f} s at {length} tokens > --max_step_s {args.max_step_s:g}")
+            say(result["stop"])
+            break
+        # a warm-up step only where steps are short: beside a long step its first-step overhead is small
+        warmup = args.warmup if not steps or steps[-1][1] < args.warmup_below_s else 0
+        ns = SimpleNamespace(**{**vars(args), "seq_len": length})
+        limit = args.mem_cap_gib - rss_bytes() / GIB  # (e): the planner's limit is above this rank's baseline
+        try:
+            record = measure(args.variant, ns, args, args.work, limit, warmup)
+        except BaseException as err:  # (e)'s "no plan fits" and the like: keep what ran, stop the pair
+            stop = f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"
+            save(stop)
+            print(f"[long_context {args.family} {args.variant} rank {rank}] stopped: {stop}", flush=True)
+            os._exit(3)  # the other rank may wait in a collective: the launcher ends it
+        record["predicted_before_bytes"] = predicted
+        gathered = [None] * tdist.get_world_size()
+        tdist.all_gather_object(gathered, record)
+        history.append(gathered)
+        result["records"].append(record)
+        save()
+        say(f"{length} tokens: step {min(record['step_s']):.2f} s, peak RSS "
+            + " / ".join(f"{r['peak_bytes'] / GIB:.2f}" for r in sorted(gathered, key=lambda r: r["stage"]))
+            + f" GiB (predicted <= {predicted / GIB:.2f})")
+    else:
+        save("longest length asked for")
+    tdist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group destructors: gloo's threads can abort at interpreter exit
+
+
+def main() -> None:
+    args = SimpleNamespace(**json.loads(sys.argv[1]))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    worker(args)
+
+
+if __name__ == "__main__":
+    main()
