@@ -92,6 +92,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
                             defer_weight_grads=terapipe.defer_weight_grads)
     engine.plan_report = report
     engine.memory_budget = memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module))
+    if engine.memory_budget:  # what the built engine holds before any step (parameters, buffers, ...)
+        engine.memory_budget["built_mb"] = current_rss_mb() - baseline_mb
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -121,7 +123,7 @@ def memory_limit_bytes(terapipe, device) -> float | None:
     import torch
     if torch.device(device).type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun / deepspeed
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
 
 

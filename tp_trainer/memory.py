@@ -97,7 +97,8 @@ def memory_report(device, tracker: ActivationTracker | None = None, budget: dict
     parts = [f"peak rss {peak_rss_mb():.0f} MiB"]
     if budget:
         parts.append(f"above the {budget['baseline_mb']:.0f} MiB before the model {peak_rss_mb() - budget['baseline_mb']:.0f} "
-                     f"MiB (predicted {budget['predicted_mb']:.0f} MiB, limit {budget['limit_mb']:.0f} MiB)")
+                     f"MiB (predicted {budget['predicted_mb']:.0f} MiB, limit {budget['limit_mb']:.0f} MiB; "
+                     f"{budget.get('built_mb', float('nan')):.0f} MiB once the engine was built)")
     if torch.device(device).type == "cuda":
         parts.append(f"device peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
     if tracker is not None:

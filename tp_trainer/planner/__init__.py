@@ -4,6 +4,11 @@
     profile.profile_stage                 time a stage's real layers over a (b, l, c) grid
     dp.plan_batch -> dp.PlannedBatch      the exact DP (microbatch split + slicing per microbatch)
     predict.predict_time                  iteration time from the simulated schedule
-    auto.auto_slices / auto.auto_plan     "slices": "auto" at start-up (collective over ranks)
+    layer_cost.plan_layout                the stage split and the slices together, from per-layer costs
+                                          (prefix, one block, suffix of a probe model, profiled)
+    memory_model / memory_plan            predicted peak per stage; the fastest plan (slices, order,
+                                          checkpointing per stage) under terapipe.memory_limit_gib
+    auto.measured_layout                  "slices": "auto" before the model is built (collective)
+    auto.auto_slices / auto.auto_plan     per-stage profiling of a built module (older cost models)
     cli.main                              python -m tp_trainer.planner (__main__.py)
 """

@@ -16,6 +16,7 @@ The split is a plain value, known before DeepSpeed's PipelineModule is built.
 from __future__ import annotations
 
 import copy
+import time
 from functools import partial
 from dataclasses import asdict, dataclass
 
@@ -224,9 +225,10 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     from .profile import profile_stage
     parts, ctx, adapter = probe_parts(config, device)
     mine = [p for i, p in enumerate(PARTS) if i % world == rank]
-    out = {}
-    for name in mine:
+    out, start = {}, time.perf_counter()
+    for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
+        budget = (time_budget_s - (time.perf_counter() - start)) / (len(mine) - k)
         cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
-                             time_budget_s / len(mine), desc=f"profile {name} (rank {rank})")
+                             max(budget, 0.0), desc=f"profile {name} (rank {rank})")
         out[name] = (cost, measure_part(parts[name], ctx, config.hidden_size, seq_len))
     return out, tuple(adapter.PREFIX), tuple(adapter.SUFFIX)
