@@ -93,12 +93,20 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
 
 
 def launch(tmp_path, *flags, config=TINY):
-    """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log."""
-    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config", config, *flags]
+    """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log.
+
+    Also checks that the run left none of DeepSpeed's CPU all-reduce buffers in /dev/shm
+    (66 MiB per rank, RAM; see tp_trainer/ds_compat/shm.py)."""
+    from multirank import free_port
+    port = free_port()
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "launch/train.py",
+           "--deepspeed_config", config, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert not left, f"shared-memory buffers left behind: {left}"
     return log
 
 

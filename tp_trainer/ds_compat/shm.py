@@ -1,0 +1,50 @@
+"""DeepSpeed's CPU shared-memory all-reduce buffers, released once every local rank has mapped them.
+
+On CPU, DeepSpeed's ``TorchBackend.__init__`` (checked 0.19.8, ``deepspeed/comm/torch.py``) runs its
+``deepspeed_shm_comm`` op's ``initialize`` when every rank is local (``LOCAL_SIZE == WORLD_SIZE``):
+each rank creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
+(~66 MiB) and maps every other rank's file (``ops/csrc/cpu/comm/shm.cpp``: ``shm_initialize``). It
+never unlinks them, so each launch leaves 66 MiB per rank in /dev/shm, which is RAM: a day of runs
+or one test suite fills gigabytes. The mappings stay valid after an unlink, so once every rank has
+passed initialization (a barrier), each rank unlinks its own file: the memory returns when the
+processes end, however they end (``os._exit``, a kill, an error).
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
+
+
+def buffer_path(rank: int, addr: str | None = None, port: str | None = None) -> str:
+    """The file DeepSpeed's shm op creates for ``rank`` (as ``shm_initialize`` names it)."""
+    addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
+    port = os.environ.get("MASTER_PORT", "") if port is None else port
+    return f"{PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_buffer() -> bool:
+    """Unlink this rank's buffer after a barrier (every rank has mapped every buffer by then).
+
+    Collective when the process group exists; returns whether a file was removed."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return False
+    dist.barrier()
+    try:
+        os.unlink(buffer_path(dist.get_rank()))
+    except FileNotFoundError:  # not all ranks local, a GPU backend, or already released
+        return False
+    return True
+
+
+def remove_leftovers(port: int | str, addr: str = "127.0.0.1") -> int:
+    """Unlink the buffers of a finished launch on ``addr:port`` (its ranks died before releasing
+    them); returns how many were removed. For launchers (tests, benchmarks), after every rank ended."""
+    removed, stem = 0, os.path.basename(buffer_path(0, addr, str(port)))[:-1]
+    for name in os.listdir(os.path.dirname(PREFIX)) if os.path.isdir(os.path.dirname(PREFIX)) else []:
+        if name.startswith(stem) and name[len(stem):].isdigit():
+            os.unlink(os.path.join(os.path.dirname(PREFIX), name))
+            removed += 1
+    return removed
