@@ -62,8 +62,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = get_accelerator().device_name(local_rank)
     baseline_mb = current_rss_mb()  # the memory limit counts from here
-    layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device)
-                      if measured_split(spec) else (None, None))
+    layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
+                               baseline_mb) if measured_split(spec) else (None, None))
     split = layout.split if layout else None
     ds_config = with_checkpointing(ds_config, layout)
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
@@ -153,7 +153,7 @@ def replica_batch(ds_config: dict, replicas: int) -> tuple[int, int]:
     return int(micro or 1), int(accumulation or 1)
 
 
-def measured_layout(spec: PipelineSpec, config, device):
+def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | None = None):
     """The measured split and slices (``planner.auto.measured_layout``), before the model is built.
     Returns (Layout, report text). Collective."""
     from .model.adapters import adapter_for
@@ -166,7 +166,7 @@ def measured_layout(spec: PipelineSpec, config, device):
     fixed_micro = None if terapipe.microbatches == "auto" else micro
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
-                memory_limit_bytes(terapipe, device))
+                memory_limit_bytes(terapipe, device), baseline_mb)
 
 
 def plan_slices(spec: PipelineSpec, module, config_class, hidden: int):

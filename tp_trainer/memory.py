@@ -80,6 +80,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def release_freed() -> None:
+    """Give memory that Python / torch freed back to the OS (glibc's malloc_trim), so RSS shows what is
+    in use: a profile's freed activations would otherwise stay in the process's RSS."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def current_rss_mb() -> float:
     """This process's resident memory now, in MiB (Linux /proc; 0 elsewhere)."""
     try:

@@ -14,6 +14,7 @@ found (None) and restores the RNG state, so training is unchanged by it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -128,13 +129,15 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
 def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, microbatch_size: int | None = None,
                     granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
-                    memory_limit: float | None = None) -> tuple[Layout, str]:
+                    memory_limit: float | None = None, baseline_mb: float | None = None) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
     ``analytic`` (the per-token estimate's split) is priced beside it in the report. Rank 0 writes
     ``cost_model_path`` when it does not exist yet. ``memory_limit`` (bytes per rank): the order and
-    checkpointing are chosen too (``memory_plan``); ``memory_plan.NoPlanFits`` on every rank if none fits."""
+    checkpointing are chosen too (``memory_plan``); ``memory_plan.NoPlanFits`` on every rank if none fits.
+    ``baseline_mb``: RSS before the model; what the ranks hold above it after profiling (freed memory
+    given back) is the runtime overhead every stage's predicted peak includes."""
     rank, world = _dist()
     if cost is not None:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
@@ -142,11 +145,12 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     else:
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
                                                    time_budget_s, device)
+    overhead = _overhead(baseline_mb) if memory_limit is not None else 0.0
     result = [None]
     if rank == 0:
         try:
             result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
-                            latency, per_byte, meta, memory_limit)]
+                            latency, per_byte, meta, memory_limit, overhead)]
         except NoPlanFits as err:
             result = [err]
         layout = result[0][0] if isinstance(result[0], tuple) else None
@@ -157,6 +161,21 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if isinstance(result[0], Exception):
         raise NoPlanFits(str(result[0]))
     return result[0]
+
+
+def _overhead(baseline_mb: float | None) -> float:
+    """Bytes above ``baseline_mb`` this process holds now, after giving freed memory back; the most
+    over the ranks (collective)."""
+    from ..memory import current_rss_mb, release_freed
+    if baseline_mb is None:
+        return 0.0
+    release_freed()
+    mine = [max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20]
+    if _dist()[1] > 1:
+        everyone = [None] * _dist()[1]
+        tdist.all_gather_object(everyone, mine[0])
+        mine = everyone
+    return float(max(mine))
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device):
@@ -178,7 +197,7 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
 
 
 def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule, latency, per_byte,
-          meta, memory_limit) -> tuple[Layout, str]:
+          meta, memory_limit, overhead: float = 0.0) -> tuple[Layout, str]:
     """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
@@ -189,15 +208,19 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
             raise NoPlanFits("terapipe.memory_limit_gib: the cost model file has no memory figures; delete "
                              "terapipe.cost_model's file to profile again")
         cands = memory_plan.candidates(layers, layers.memory, layout.split, seq_len, batch, stages, granularity,
-                                       microbatch_size, latency, per_byte)
+                                       microbatch_size, latency, per_byte, overhead=overhead)
         hidden_bytes = layers.block.hidden * layers.block.bytes_per_element
         longest = memory_plan.longest_fitting(layers.memory, layout.split, hidden_bytes, seq_len, stages,
-                                              layout.plan.microbatch_sizes, granularity)
+                                              layout.plan.microbatch_sizes, granularity, overhead)
         best = memory_plan.choose(cands, memory_limit, longest)
-        layout.plan, layout.predicted, layout.schedule = best.plan, best.predicted, best.schedule
+        plan = best.plan if best.plan.predicted_time == best.plan.predicted_time else dataclasses.replace(
+            best.plan, predicted_time=best.predicted)  # a uniform candidate has no closed form: the simulated
+        layout.plan, layout.predicted, layout.schedule = plan, best.predicted, best.schedule
         layout.ckpt, layout.peaks = best.ckpt, best.peaks
         layout.cost = memory_plan.with_ckpt(layout.cost, best.ckpt)
         text.append(memory_plan.table(cands, best, memory_limit))
+        text.append(f"(each peak includes {overhead / 2 ** 20:.0f} MiB the ranks held above their size before the "
+                    f"model once profiling was done)")
         schedule = best.schedule
     text.append(report(layout.plan, layout.cost, stages, schedule, time.perf_counter() - start))
     return layout, "\n".join(text)

@@ -13,7 +13,7 @@ limit that would fit and the longest sequence that fits this limit.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -65,9 +65,12 @@ def ckpt_choices(stages: int) -> list[tuple]:
     return [(False,) * stages, (True,) * stages]
 
 
-def memories(parts: dict, split, hidden_bytes: float) -> list:
+def memories(parts: dict, split, hidden_bytes: float, overhead: float = 0.0) -> list:
+    """Each stage's StageMemory; ``overhead``: bytes every rank holds besides the model (measured
+    after profiling: the runtime's own buffers), added to each stage's static bytes."""
     last = len(split.names) - 1
-    return [stage_memory(parts, names, hidden_bytes, s == 0, s == last) for s, names in enumerate(split.names)]
+    mems = [stage_memory(parts, names, hidden_bytes, s == 0, s == last) for s, names in enumerate(split.names)]
+    return [replace(m, static=m.static + overhead) for m in mems]
 
 
 def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple, split_weight_grads: bool = True) -> tuple:
@@ -80,10 +83,10 @@ def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple, split_weig
 
 def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int, granularity: int = 8,
                microbatch_size: int | None = None, latency: float = 0.0, per_byte: float = 0.0,
-               schedules=("gpipe", "1f1b"), split_weight_grads: bool = True) -> list[Candidate]:
-    """Every candidate (see the module docstring), fastest first."""
+               schedules=("gpipe", "1f1b"), split_weight_grads: bool = True, overhead: float = 0.0) -> list[Candidate]:
+    """Every candidate (see the module docstring), fastest first; ``overhead`` as in ``memories``."""
     base = layers.pipeline_cost(split, latency, per_byte)
-    mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element)
+    mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element, overhead)
     out = []
     for ckpt in ckpt_choices(stages):
         cost = with_ckpt(base, ckpt)
@@ -121,10 +124,10 @@ def choose(cands: list[Candidate], limit_bytes: float, longest=None) -> Candidat
 
 
 def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stages: int, microbatch_sizes,
-                    granularity: int = 8):
+                    granularity: int = 8, overhead: float = 0.0):
     """A function limit -> the longest sequence (a multiple of ``granularity``, <= seq_len) for which
     some uniform plan fits (any order and checkpointing); 0 if none."""
-    mems = memories(parts, split, hidden_bytes)
+    mems = memories(parts, split, hidden_bytes, overhead)
 
     def least_peak(length: int) -> float:
         counts = [n for n in COUNTS if n <= max(1, length // granularity)]
