@@ -52,3 +52,18 @@ def test_layer_costs_survive_the_cost_model_file(tmp_path):
     assert again == model
     assert plan_layout(again, 1024, 2, 3, granularity=32).split == layout.split
     assert len(layout.cost.stages) == 3
+
+
+def test_cli_plans_from_per_layer_costs_under_a_memory_limit(tmp_path, capsys):
+    from tp_trainer.planner.cli import main
+    from tp_trainer.planner.memory_model import PartMemory
+    model = layers()
+    model.memory = {"prefix": PartMemory(8e6, 1024.0, 0.0, 0.0), "block": PartMemory(3e6, 3e4, 0.0, 4096.0),
+                    "suffix": PartMemory(8e6, 3.4e4, 0.0, 0.0)}
+    path = tmp_path / "cost.json"
+    plan_layout(model, 1024, 1, 2, granularity=64).cost.save(str(path))
+    main(["--cost_model", str(path), "--seq_len", "1024", "--stages", "2", "--granularity", "64",
+          "--memory_limit_gib", "0.5"])
+    out = capsys.readouterr().out
+    assert "stage split (measured per-layer cost" in out and "memory-aware plan (limit 0.50 GiB" in out
+    assert "->" in out and "predicted iteration" in out

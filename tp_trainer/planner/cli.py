@@ -6,7 +6,9 @@
 
 ``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
 shapes, not the weights), or a preset of tp_trainer/model/presets.py (``tiny`` = ``gpt2-tiny``).
-``--profile`` measures every stage here, one after the other, in this process.
+``--profile`` measures every stage here, one after the other, in this process; with ``--layers`` the
+prefix, one block and the suffix instead, and the stages are placed by measured cost (as ``"slices":
+"auto"`` does); ``--memory_limit_gib`` also picks order and checkpointing under a per-rank limit.
 """
 
 from __future__ import annotations
@@ -101,13 +103,54 @@ def parse_args(argv=None):
     p.add_argument("--time_budget", type=float, default=60.0, help="seconds of profiling, all stages")
     p.add_argument("--threads", type=int, default=None, help="torch threads while profiling")
     p.add_argument("--save_dir", help="write plan.json and plan.txt into this directory")
+    p.add_argument("--layers", action="store_true",
+                   help="with --profile: measure the prefix, one block and the suffix and place the stages by "
+                        "measured cost (what \"slices\": \"auto\" runs); a cost model with per-layer costs is "
+                        "always planned that way")
+    p.add_argument("--memory_limit_gib", type=float, default=None,
+                   help="also choose order and checkpointing under this per-rank limit (needs per-layer costs)")
     return p.parse_args(argv)
+
+
+def plan_layers(args, config, cost) -> None:
+    """Plan from per-layer costs (profiled here with --layers, or a cost model's meta["layers"]) and
+    print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
+    from ..model.adapters import adapter_for
+    from ..model.split import split_for_config
+    from .auto import _plan
+    from .layer_cost import LayerCosts, measure_layers
+    if cost is None:
+        sizes = [args.microbatch_size] if args.microbatch_size else [b for b in range(1, args.batch + 1)
+                                                                      if args.batch % b == 0]
+        parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget)
+        layers = LayerCosts(*(parts[n][0] for n in ("prefix", "block", "suffix")), int(config.num_hidden_layers),
+                            prefix, suffix, {n: parts[n][1] for n in parts})
+        latency, per_byte, meta = *time_copy(config.hidden_size, args.seq_len), {"seq_len": args.seq_len}
+    else:
+        layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
+                                           cost.p2p_per_byte, cost.meta)
+    adapter = adapter_for(config)
+    analytic = split_for_config(config, args.stages, adapter.PREFIX, adapter.SUFFIX)
+    limit = None if args.memory_limit_gib is None else args.memory_limit_gib * 2 ** 30
+    layout, text = _plan(layers, args.seq_len, args.batch, args.stages, analytic, args.microbatch_size,
+                         args.granularity, args.schedule, latency, per_byte, meta, limit)
+    print(text)
+    if args.save_cost_model:
+        layout.cost.save(args.save_cost_model)
+    if args.save_dir:
+        save_plan(args.save_dir, layout.plan, text)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.layers or args.memory_limit_gib is not None or (args.cost_model and "layers" in
+                                                             PipelineCost.load(args.cost_model).meta):
+        config = model_config(args.model)
+        plan_layers(args, config, None if args.profile else PipelineCost.load(args.cost_model))
+        sys.stdout.flush()
+        return
     if args.profile:
         config = model_config(args.model)
         if args.seq_len > config.n_positions:
