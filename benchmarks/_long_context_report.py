@@ -12,10 +12,14 @@ GIB, MIB = 2 ** 30, 2 ** 20
 NAMES = {"a": "(a) DeepSpeed stock", "a_ckpt": "(a') DeepSpeed stock + activation ckpt (non-reentrant)",
          "c": "(c) TeraPipe, DP plan", "e": "(e) TeraPipe, memory-aware plan"}
 SHORT = {"a": "(a)", "a_ckpt": "(a')", "c": "(c)", "e": "(e)"}
-# stops that mean "the next length does not fit under the cap" (the planner's "no plan fits" is a
-# ConfigError); any other stop (time limit, machine memory, end of the sweep, a failure) leaves the
-# longest length a lower bound
-CAP_STOPS = ("predicted peak", "ConfigError")
+# stops that mean "the next length does not fit under the cap": the predicted peak, or the planner's
+# NoPlanFits ("... no plan fits ..."); any other stop (time limit, machine memory, end of the sweep,
+# a failure) leaves the longest length a lower bound
+NO_PLAN = "no plan fits"
+
+
+def cap_stop(stop: str | None) -> bool:
+    return bool(stop) and (stop.startswith("predicted peak") or NO_PLAN in stop)
 
 
 def merge(rank_results: list[dict]) -> dict:
@@ -27,7 +31,7 @@ def merge(rank_results: list[dict]) -> dict:
     ranks = len(rank_results)
     rows = [{"length": length, "stages": sorted(records, key=lambda r: r["stage"])}
             for length, records in sorted(by_length.items()) if len(records) == ranks]
-    stops = [r["stop"] for r in rank_results if r.get("stop")]
+    stops = sorted((r["stop"] for r in rank_results if r.get("stop")), key=lambda s: NO_PLAN not in s)
     return {"variant": rank_results[0]["variant"], "family": rank_results[0]["family"], "rows": rows,
             "stop": stops[0] if stops else "not finished"}
 
@@ -49,8 +53,7 @@ def longest(result: dict) -> tuple[int | None, bool]:
     """(longest length measured, True when it is only a lower bound: the sweep ended first)."""
     if not result["rows"]:
         return None, False
-    stop = result["stop"] or ""
-    return result["rows"][-1]["length"], not stop.startswith(CAP_STOPS)
+    return result["rows"][-1]["length"], not cap_stop(result["stop"])
 
 
 def row_at(result: dict, length: int):

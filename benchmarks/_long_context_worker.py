@@ -157,7 +157,10 @@ def plan_of(engine) -> dict:
     if budget:
         out["predicted_peak_gib"] = budget["predicted_mb"] / 1024
         out["limit_gib"] = budget["limit_mb"] / 1024
-    for line in (getattr(engine, "plan_report", None) or "").splitlines():
+    text = getattr(engine, "plan_report", None) or ""
+    if "memory-aware plan" in text:
+        out["report"] = text[text.index("memory-aware plan"):]
+    for line in text.splitlines():
         chosen = re.match(r"^->(.*\S)\s+([0-9.]+)\s+([0-9.]+(?: / [0-9.]+)*)$", line)
         if chosen:
             out["chosen"] = chosen.group(1).strip()

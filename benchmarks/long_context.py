@@ -1,8 +1,9 @@
 """Memory and speed against sequence length: DeepSpeed's pipeline vs TeraPipe (issue 12, section 1).
 
     python benchmarks/long_context.py [--quick] [--models llama,gpt2] [--variants a,a_ckpt,c,e]
-                                      [--mem_cap_gib 8] [--start 2048] [--max_len 65536] [--steps 1]
-                                      [--warmup 1] [--budget 10] [--out benchmarks/results/long_context]
+                                      [--mem_cap_gib 2] [--start 2048] [--max_len 65536] [--steps 1]
+                                      [--warmup 1] [--budget 10] [--max_step_s 90]
+                                      [--out benchmarks/results/long_context]
 
 Models (same seeded weights and random tokens in every variant, dropout 0, batch 1, 2 stages, 1
 thread per rank, gloo): a Llama-style model (rotary, grouped-query attention: 4 layers x 256, 4
@@ -16,8 +17,12 @@ Variants:
        model is built: the planner's memory-aware choice. Runs only where TeraPipeConfig has that key.
 Sequence lengths double from ``--start``; every variant runs in its own pair of ranks, length after
 length, and stops before a length whose predicted peak RSS (any stage; fitted a + b L + c L^2 on
-the lengths measured, +10%) passes ``--mem_cap_gib`` per rank (default 8: two ranks stay far below
-24 GiB); a watchdog stops a rank that passes the cap anyway. Per variant and length: peak RSS per
+the lengths measured, +10%) passes ``--mem_cap_gib`` per rank, or the machine's available memory
+(other jobs share it), or whose predicted step passes ``--max_step_s``; a watchdog stops a rank that
+passes the cap anyway. The default cap, 2 GiB, is what 2 CPU cores can sweep in under 15 minutes:
+(a) stops near 4k tokens, so (e) must reach 16k. At 8 GiB (safe for 2 ranks on 24 GiB too) (a)
+reaches 16-32k and (e) would need 64-128k tokens, whose steps take many minutes each on a CPU.
+Per variant and length: peak RSS per
 stage (absolute and above the RSS before the engine was built), peak saved activations (K/V
 included), step time, tokens/s, the plan; per variant the longest sequence under the cap; then the
 goals as met / not met. Writes ``--out``.{md,json} and ``--out``.png (memory and tokens/s against
@@ -85,9 +90,10 @@ def run_variant(args, family: str, variant: str, work: str) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Llama, 256 and 512 tokens, 3 GiB cap: a smoke test")
-    parser.add_argument("--models", default="llama,gpt2", help="comma-separated: llama, gpt2")
+    parser.add_argument("--models", help="comma-separated: llama, gpt2 (default both; --quick: llama)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: a, a_ckpt, c, e")
-    parser.add_argument("--mem_cap_gib", type=float, default=8.0, help="peak RSS cap per rank (GiB)")
+    parser.add_argument("--mem_cap_gib", type=float, default=2.0,
+                        help="peak RSS cap per rank (GiB); 2 keeps the default run under 15 min on 2 CPU cores")
     parser.add_argument("--start", type=int, default=2048, help="first sequence length (then doubling)")
     parser.add_argument("--max_len", type=int, default=65536, help="longest sequence length tried")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per length")
@@ -110,8 +116,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.models, args.mem_cap_gib, args.start, args.max_len = "llama", 3.0, 256, 512
+        args.models, args.mem_cap_gib, args.start, args.max_len = args.models or "llama", 3.0, 256, 512
         args.budget, args.warmup, args.steps = 2.0, 1, 1
+    args.models = args.models or "llama,gpt2"
     return args
 
 

@@ -54,7 +54,7 @@ def test_goals_read_from_the_records():
     results = {"a": _result("a", [2048, 4096], CAP),
                "a_ckpt": _result("a_ckpt", [2048, 4096, 8192], CAP, step=1.5),
                "c": _result("c", [2048, 4096], CAP, step=0.5),
-               "e": _result("e", [2048, 4096, 8192, 16384], "ConfigError: no plan fits", step=1.2)}
+               "e": _result("e", [2048, 4096, 8192, 16384], "RunStopped: planning the stages and slices: terapipe.memory_limit_gib: no plan fits 1.50 GiB", step=1.2)}
     goals = {name: met for name, met, _ in report.goals(results, batch=1)}
     assert goals["(e) longest >= 4x (a)'s"] is True
     assert goals["(e) longest >= 2x (a')'s"] is True
