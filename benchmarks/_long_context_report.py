@@ -12,14 +12,16 @@ GIB, MIB = 2 ** 30, 2 ** 20
 NAMES = {"a": "(a) DeepSpeed stock", "a_ckpt": "(a') DeepSpeed stock + activation ckpt (non-reentrant)",
          "c": "(c) TeraPipe, DP plan", "e": "(e) TeraPipe, memory-aware plan"}
 SHORT = {"a": "(a)", "a_ckpt": "(a')", "c": "(c)", "e": "(e)"}
-# stops that mean "the next length does not fit under the cap": the predicted peak, or the planner's
-# NoPlanFits ("... no plan fits ..."); any other stop (time limit, machine memory, end of the sweep,
-# a failure) leaves the longest length a lower bound
+# stops that mean "the next length does not fit under the cap": the predicted peak, the planner's
+# NoPlanFits ("... no plan fits ..."), the watchdog's RSS over the cap; any other stop (time limit,
+# machine memory, end of the sweep, a failure) leaves the longest length a lower bound
 NO_PLAN = "no plan fits"
 
 
 def cap_stop(stop: str | None) -> bool:
-    return bool(stop) and (stop.startswith("predicted peak") or NO_PLAN in stop)
+    """True when the next length did not fit under the cap: predicted over it, no plan fits, or the
+    watchdog saw the RSS pass it (the run at that length does not count)."""
+    return bool(stop) and (stop.startswith("predicted peak") or NO_PLAN in stop or "passed the cap" in stop)
 
 
 def merge(rank_results: list[dict]) -> dict:

@@ -9,8 +9,9 @@ checkpoints only what a checkpoint keeps outside is seen), step time and tokens/
 
 Never into an out-of-memory kill: before each length, every stage's peak is predicted from the
 lengths measured so far (``predict_peak``: a + b L + c L^2 once three points exist) and the variant
-stops when a prediction exceeds the cap; a watchdog thread ends the rank (exit 75, results so far
-kept) if its RSS ever passes the cap anyway. Results go to ``OUT/<variant>.rank<r>.json`` after
+stops when a prediction exceeds the cap, except (e), whose planner changes the plan with L
+(checkpointing) and stops itself before building the model when no plan fits; a watchdog thread
+ends the rank (exit 75, results so far kept) if its RSS ever passes the cap anyway. Results go to ``OUT/<variant>.rank<r>.json`` after
 every length.
 """
 
@@ -31,6 +32,9 @@ GIB = 2 ** 30
 WATCHDOG_EXIT = 75
 # measured peaks are multiplied by this before comparing a prediction with the cap
 MARGIN = 1.10
+# (e): the memory-aware planner keeps its predicted peak under the cap; the machine check allows its
+# prediction to be this much short (the watchdog stops a rank whose RSS passes the cap itself)
+PLANNED_OVERSHOOT = 1.3
 
 
 def rss_bytes() -> int:
@@ -251,14 +255,21 @@ def worker(args) -> None:
         with open(out, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=1)
 
-    Watchdog(cap, lambda rss, free: save(f"watchdog: RSS {rss / GIB:.2f} GiB, machine's available memory "
-                                         f"{free / GIB:.2f} GiB: stopped before an out-of-memory kill")).start()
+    def tripped(rss, free):
+        reason = (f"RSS {rss / GIB:.2f} GiB passed the cap" if rss > cap
+                  else f"the machine's available memory fell to {free / GIB:.2f} GiB")
+        save(f"watchdog at {current[0]} tokens: {reason}; rank stopped before an out-of-memory kill")
+
+    current = [None]
+    Watchdog(cap, tripped).start()
     say = (lambda text: print(f"[long_context {args.family} {args.variant}] {text}", flush=True)) \
         if rank == 0 else (lambda text: None)
     history: list[list[dict]] = []
     for length in args.lengths:
         fits, predicted = next_fits(history, length, cap)
-        if not fits:
+        if args.variant == "e":  # the planner changes its plan with L (checkpointing): it decides what
+            predicted = min(predicted, PLANNED_OVERSHOOT * cap)  # fits; "no plan fits" stops before the model
+        elif not fits:
             save(f"predicted peak {predicted / GIB:.2f} GiB at {length} tokens > cap {args.mem_cap_gib:g} GiB")
             say(result["stop"])
             break
@@ -277,6 +288,7 @@ def worker(args) -> None:
         # a warm-up step only where steps are short: beside a long step its first-step overhead is small
         warmup = args.warmup if not steps or steps[-1][1] < args.warmup_below_s else 0
         ns = SimpleNamespace(**{**vars(args), "seq_len": length})
+        current[0] = length
         limit = args.mem_cap_gib - rss_bytes() / GIB  # (e): the planner's limit is above this rank's baseline
         try:
             record = measure(args.variant, ns, args, args.work, limit, warmup)

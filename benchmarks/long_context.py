@@ -17,9 +17,10 @@ Variants:
        model is built: the planner's memory-aware choice. Runs only where TeraPipeConfig has that key.
 Sequence lengths double from ``--start``; every variant runs in its own pair of ranks, length after
 length, and stops before a length whose predicted peak RSS (any stage; fitted a + b L + c L^2 on
-the lengths measured, +10%) passes ``--mem_cap_gib`` per rank, or the machine's available memory
-(other jobs share it), or whose predicted step passes ``--max_step_s``; a watchdog stops a rank that
-passes the cap anyway. The default cap, 2 GiB, is what 2 CPU cores can sweep in under 15 minutes:
+the lengths measured, +10%) passes ``--mem_cap_gib`` per rank (not (e): its planner re-plans at
+each length and stops before building the model when no plan fits), or the machine's available
+memory (other jobs share it), or whose predicted step passes ``--max_step_s``; a watchdog stops a
+rank that passes the cap anyway (that length then counts as not fitting). The default cap, 2 GiB, is what 2 CPU cores can sweep in under 15 minutes:
 (a) stops near 4k tokens, so (e) must reach 16k. At 8 GiB (safe for 2 ranks on 24 GiB too) (a)
 reaches 16-32k and (e) would need 64-128k tokens, whose steps take many minutes each on a CPU.
 Per variant and length: peak RSS per
