@@ -185,8 +185,9 @@ def predict_step(points: list[tuple[int, float]], length: int) -> float:
     return max(fitted, 0.5 * guess)
 
 
-def measure(variant, ns, args, work, limit_gib, warmup: int):
-    """Build, train ``warmup + args.steps`` steps, drop the engine; this rank's record."""
+def measure(variant, ns, args, work, warmup: int):
+    """Build, train ``warmup + args.steps`` steps, drop the engine; this rank's record. (e)'s
+    memory limit is the cap minus the RSS before the build (the planner counts from there too)."""
     import _compare_models as cm
     import torch.distributed as tdist
 
@@ -195,7 +196,7 @@ def measure(variant, ns, args, work, limit_gib, warmup: int):
     reset_hwm()
     base = rss_bytes()
     began = time.perf_counter()
-    engine = build(variant, ns, work, limit_gib)
+    engine = build(variant, ns, work, args.mem_cap_gib - base / GIB)
     build_s = time.perf_counter() - began
     tracker = ActivationTracker(engine.module.parameters())
     track_activations(engine, tracker)
@@ -289,9 +290,8 @@ def worker(args) -> None:
         warmup = args.warmup if not steps or steps[-1][1] < args.warmup_below_s else 0
         ns = SimpleNamespace(**{**vars(args), "seq_len": length})
         current[0] = length
-        limit = args.mem_cap_gib - rss_bytes() / GIB  # (e): the planner's limit is above this rank's baseline
         try:
-            record = measure(args.variant, ns, args, args.work, limit, warmup)
+            record = measure(args.variant, ns, args, args.work, warmup)
         except BaseException as err:  # (e)'s "no plan fits" and the like: keep what ran, stop the pair
             stop = f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"
             save(stop)
