@@ -50,9 +50,15 @@ def _shift_positions():
     return mock.patch.object(SliceContext, "positions", positions)
 
 
+@contextlib.contextmanager
 def _skip_tied_reduce():
-    """The tied embedding / head gradients are not summed across the stages holding them."""
-    return mock.patch.object(TeraPipeEngine, "_exec_reduce_tied_grads", lambda self: None)
+    """The tied embedding / head gradients are not summed across the stages holding them (neither by
+    the plain tail's REDUCE_TIED nor by the overlapped tail's TIED_START / TIED_WAIT)."""
+    from tp_trainer import ds_compat
+    with mock.patch.object(TeraPipeEngine, "_exec_reduce_tied_grads", lambda self: None), \
+            mock.patch.multiple(ds_compat.tail, post_tied_reduce=lambda engine: None,
+                                wait_tied_reduce=lambda engine: None):
+        yield
 
 
 def _scale_slice_loss():

@@ -30,6 +30,7 @@ from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
+from .schedule.tail import LocalStep, LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
 
 
 def _next_receives(instructions) -> dict:
@@ -96,7 +97,8 @@ class TeraPipeEngine(PipelineEngine):
     # ----------------------------------------------------------------------------- schedule
     def _train_schedule(self):
         return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
-                              self.plan.num_slices, split_weight_grads=self.weight_grads is not None)
+                              self.plan.num_slices, split_weight_grads=self.weight_grads is not None,
+                              overlap_tail=True)  # schedule/tail.py
 
     def _exec_schedule(self, pipe_schedule):
         self._reset_step_state()
@@ -119,6 +121,7 @@ class TeraPipeEngine(PipelineEngine):
             if self.timeline is not None:
                 self.timeline.append((str(instruction), start, time.perf_counter()))
         self._transfers.finish(lambda send, err: PipelineFailure(self._failure_message(send, err)))
+        ds_compat.tail.check_done(self)
 
     def _failure_message(self, instruction, err: Exception) -> str:
         """Which rank and stage failed, doing what, and which peer it was talking to."""
@@ -159,19 +162,29 @@ class TeraPipeEngine(PipelineEngine):
 
         DeepSpeed's fp32 path sums squared norms over the tensor-parallel group only, so each
         pipeline stage would clip by its own norm. Here the squares are summed over the stages,
-        with a tied weight counted on its first stage only.
+        with a tied weight counted on its first stage only, in float64 (``_squares``). Where
+        ``STEP_LOCAL`` already summed the untied gradients' squares, only the tied ones are added.
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
         duplicates = {id(p) for p in self._tied_duplicates()}
-        counted = [p.grad.detach().to(torch.promote_types(p.grad.dtype, torch.float32))
-                   for p in params if id(p) not in duplicates]
-        # torch's fused per-list norm: ~2x faster here than a pow + sum per tensor
-        squares = get_total_norm(counted).square() if counted else torch.zeros((), device=self.device)
+        counted = [p for p in params if id(p) not in duplicates]
+        local = ds_compat.tail.pop_untied_squares(self)  # STEP_LOCAL summed the untied ones (schedule/tail.py)
+        if local is not None:
+            tied = {id(w) for w in ds_compat.tail.tied_weights(self)}
+            counted = [p for p in counted if id(p) in tied]
+        squares = self._squares([p.grad for p in counted]) + (0.0 if local is None else local)
         if self.is_pipe_parallel:
             dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
         norm = squares.sqrt()
         clip_grads_with_norm_(params, self.gradient_clipping(), norm)  # grad *= min(clip / (norm + 1e-6), 1)
         ds_compat.set_global_grad_norm(self, norm.item())
+
+    def _squares(self, grads) -> torch.Tensor:
+        """Sum of the squared entries of ``grads``, accumulated in float64 (a float32 sum over a
+        2M-entry embedding gradient is off by ~1e-5 relative; ZeRO-1's per-partition norms are not)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return get_total_norm([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads]).square()
 
     def _tied_duplicates(self):
         """Tied weights held by this stage that another (lower) stage also holds."""
@@ -285,6 +298,26 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_step(self, cmd: OptimizerStep):
         ds_compat.optimizer_step(self)
 
+    def _exec_tied_start(self, cmd: TiedReduceStart):
+        ds_compat.tail.post_tied_reduce(self)
+
+    def _exec_tied_wait(self, cmd: TiedReduceWait):
+        ds_compat.tail.wait_tied_reduce(self)
+
+    def _exec_local_step(self, cmd: LocalStep):
+        ds_compat.tail.local_step(self, self._squares)
+
+    def _exec_loss_start(self, cmd: LossBroadcastStart):
+        ds_compat.tail.post_loss_broadcast(self)
+
+    def _exec_loss_wait(self, cmd: LossBroadcastWait):
+        ds_compat.tail.wait_loss_broadcast(self)
+
+    def _aggregate_total_loss(self):
+        """The loss LOSS_WAIT aggregated (schedule/tail.py), else DeepSpeed's own aggregation."""
+        loss = ds_compat.tail.aggregated_loss(self)
+        return super()._aggregate_total_loss() if loss is None else loss
+
     _DISPATCH = {
         LoadSlice: _exec_load_slice,
         ForwardSlice: _exec_forward_slice,
@@ -297,6 +330,8 @@ class TeraPipeEngine(PipelineEngine):
         ReduceTiedGrads: _exec_reduce_tied,
         ReduceGrads: _exec_reduce,
         OptimizerStep: _exec_step,
+        TiedReduceStart: _exec_tied_start, TiedReduceWait: _exec_tied_wait, LocalStep: _exec_local_step,
+        LossBroadcastStart: _exec_loss_start, LossBroadcastWait: _exec_loss_wait,
     }
 
     def eval_batch(self, data_iter, num_micro_batches=None, **unused):

@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from . import tail
 from .check import check_override, check_touch, check_touches
 from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
-__all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touches", "check_touch", "check_override",
+__all__ = ["tail", "PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touches", "check_touch", "check_override",
            "stage_forward", "loss_backward", "inner_stage_backward", "record_slice_loss", "next_batch",
            "reduce_tied_grads", "reduce_grads", "optimizer_step", "broadcast_loss", "set_global_grad_norm",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",

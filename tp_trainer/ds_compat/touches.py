@@ -54,6 +54,10 @@ OVERRIDES = (
           "DeepSpeed calls it from _take_model_step for fp32 without ZeRO.", "checked 0.19.8",
           ("tp_trainer/engine.py",), params=("self",),
           source=(("_take_model_step", ("self.clip_fp32_gradients()",)),)),
+    Touch(PIPE_ENGINE, "_aggregate_total_loss", "With the overlapped tail (schedule/tail.py) the loss was "
+          "broadcast during the step (LOSS_START / LOSS_WAIT, ds_compat/tail.py): the override returns it; "
+          "train_batch calls it by name after _exec_schedule.", PIPE_SINCE, ("tp_trainer/engine.py",),
+          params=("self",), source=(("train_batch", ("self.agg_train_loss = self._aggregate_total_loss()",)),)),
     Touch(PIPE_MODULE, "_partition_layers", "Stage boundaries from our cost-balanced StageSplit; "
           "PipelineModule.__init__ calls it by name after the topology is known.", PIPE_SINCE,
           ("tp_trainer/model/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
@@ -87,6 +91,25 @@ TOUCHES = (
           "(ds_compat.optimizer_step); tests wrap it on the instance.", PIPE_SINCE,
           ("tp_trainer/ds_compat/__init__.py", "tests/pipeline_harness.py"),
           params=("self", "lr_kwargs"), source=(("_exec_optimizer_step", ("self._take_model_step(lr_kwargs)",)),)),
+    Touch(PIPE_ENGINE, "_scale_loss_by_gas", "LOSS_START scales the last stage's total_loss by gradient "
+          "accumulation as _aggregate_total_loss does (ds_compat/tail.py).", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py",),
+          params=("self", "prescaled_loss")),
+    Touch(PIPE_ENGINE, "_loss_stage_global_rank", "The global rank of the last stage of this replica: the "
+          "source of LOSS_START's broadcast (ds_compat/tail.py).", "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",),
+          params=("self",)),
+    Touch(PIPE_ENGINE, "dp_group_loss", "LOSS_WAIT sets it (this replica's loss) as _aggregate_total_loss does; "
+          "the test harness reads it.", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py", "tests/pipeline_harness.py"),
+          instance_attr=True, source=(("_aggregate_total_loss", ("self.dp_group_loss = loss.clone().detach()",)),)),
+    Touch(PIPE_ENGINE, "agg_additional_losses", "LOSS_WAIT sets it to None (no additional losses), as "
+          "_aggregate_total_loss would; train_batch's log line reads it.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/tail.py",), instance_attr=True,
+          source=(("train_batch", ("if self.agg_additional_losses is not None:",)),)),
+    Touch(PIPE_MODULE, "get_tied_weights_and_groups", "TIED_START posts the all-reduce of each (weight, group) "
+          "that _exec_reduce_tied_grads reduces (ds_compat/tail.py).", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py",),
+          params=("self",)),
+    Touch(BF16, "_hp_grad", "TIED_START reduces a tied weight's fp32 gradient under the bf16 optimizer, as "
+          "_exec_reduce_tied_grads does (ds_compat/tail.py).", "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",),
+          instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
     Touch(PIPE_ENGINE, "_bcast_pipe_scalar", "Evaluation loss from the last stage to every stage "
           "(ds_compat.broadcast_loss).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
           params=("self", "data", "src_rank", "dtype")),
