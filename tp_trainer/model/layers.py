@@ -12,36 +12,52 @@ import torch
 from torch import nn
 
 from .embedding_grad import slice_embedding
+from .attention import SliceSpan, redirect
 from .slice_cache import SequenceKV, SliceCache, slice_attention_mask
 
 
 class SliceContext:
     """Which slice the stage is running: its context length ``start``, ``length`` and K/V store.
 
-    Set by the engine (``begin``) before the stage's layers run on a slice. The mask of the slice
-    against its context is built once per slice and shared by every attention layer.
+    Set by the engine (``begin``) before the stage's layers run on a slice. What depends only on
+    (start, length) - position ids, rotary (cos, sin), eager masks - is built once per plan and
+    reused by every step (``per_plan``); what a slice's layers share, once per slice (``per_slice``).
     """
+
+    PLAN_CACHE_ENTRIES = 4096            # cleared beyond this (e.g. the planner's profiling grid)
+    PLAN_CACHE_MASK_BYTES = 32 * 2 ** 20  # eager masks above this total are built per slice
 
     def __init__(self, attn_implementation: str = "sdpa"):
         self.attn_implementation = attn_implementation
         self.start = 0
         self.length = 0
         self.cache: SliceCache | None = None
-        self._mask_key = None
-        self._mask = None
         self._per_slice: dict = {}
+        self._per_plan: dict = {}
+        self._mask_bytes = 0
 
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length
         self.cache = SliceCache(kv, start)
-        self._mask_key = None
         self._per_slice = {}
 
     def per_slice(self, key, make):
         """``make()`` computed once per slice and shared by the stage's layers (keyed by ``key``)."""
-        if key not in self._per_slice:
-            self._per_slice[key] = make()
-        return self._per_slice[key]
+        value = self._per_slice.get(key)
+        if value is None:
+            value = self._per_slice[key] = make()
+        return value
+
+    def per_plan(self, key, make):
+        """``make()`` for this slice's (start, length), computed once and kept across steps."""
+        key = (self.start, self.length, *key)
+        value = self._per_plan.get(key)
+        if value is None:
+            if len(self._per_plan) >= self.PLAN_CACHE_ENTRIES:
+                self._per_plan.clear()
+                self._mask_bytes = 0
+            value = self._per_plan[key] = make()
+        return value
 
     def embed(self, embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         """``embedding(ids)`` for this slice, its weight gradient gathered per sequence."""
@@ -51,25 +67,39 @@ class SliceContext:
         """Position ids of the slice, shape (1, length): start .. start + length - 1."""
         return torch.arange(self.start, self.start + self.length, device=device)[None]
 
+    def plan_positions(self, device) -> torch.Tensor:
+        """``positions(device)``, built once per (start, length) (do not modify in place)."""
+        return self.per_plan(("positions", device), lambda: self.positions(device))
+
+    def plan_or_slice(self, key, make, nbytes: int):
+        """``make()`` (of ``nbytes``) kept per plan while the kept masks total at most
+        PLAN_CACHE_MASK_BYTES, else once per slice (long contexts: masks are l x (c + l))."""
+        if (self.start, self.length, *key) in self._per_plan:
+            return self.per_plan(key, make)
+        if self._mask_bytes + nbytes > self.PLAN_CACHE_MASK_BYTES:
+            return self.per_slice(key, make)
+        self._mask_bytes += nbytes
+        return self.per_plan(key, make)
+
+    def span(self, window: int | None = None) -> SliceSpan:
+        """The ``attention_mask`` of a redirected SDPA block (``attention.SliceSpan``), one per slice."""
+        return self.per_slice(("span", window), lambda: SliceSpan(self.start, self.length, window, self))
+
     def mask(self, hidden: torch.Tensor, window: int | None = None):
-        """Attention mask of this slice for the HF attention implementation in use.
+        """Attention mask tensor of this slice for the HF attention implementation in use (eager:
+        additive, else boolean), shape (1, 1, length, start + length).
 
         ``window``: a sliding-window layer's size (query at p sees keys p - window < k <= p).
         """
         dtype = torch.bool if self.attn_implementation != "eager" else hidden.dtype
-        if window is not None:
-            return self.per_slice(("mask", hidden.device, dtype, window), lambda: slice_attention_mask(
-                self.start, self.length, hidden.device, dtype, window=window))
-        key = (self.start, self.length, hidden.device, dtype)
-        if key != self._mask_key:
-            self._mask = slice_attention_mask(self.start, self.length, hidden.device, dtype)
-            self._mask_key = key
-        return self._mask
+        size = self.length * (self.start + self.length) * torch.empty(0, dtype=dtype).element_size()
+        return self.plan_or_slice(("mask", hidden.device, dtype, window), lambda: slice_attention_mask(
+            self.start, self.length, hidden.device, dtype, window=window), size)
 
     def rotary(self, rotary_emb: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of an HF rotary embedding module at this slice's positions, once per slice."""
-        return self.per_slice(("rotary", id(rotary_emb), hidden.device, hidden.dtype),
-                              lambda: rotary_emb(hidden, self.positions(hidden.device)))
+        """(cos, sin) of an HF rotary embedding module at this slice's positions, once per plan."""
+        return self.per_plan(("rotary", id(rotary_emb), hidden.device, hidden.dtype),
+                             lambda: rotary_emb(hidden, self.plan_positions(hidden.device)))
 
 
 class HFPart(nn.Module):
@@ -104,7 +134,9 @@ class LearnedPositions(HFPart):
         self.offset = offset  # OPT stores positions shifted by 2
 
     def forward(self, hidden):
-        positions = self.ctx.positions(hidden.device) + self.offset
+        positions = self.ctx.plan_positions(hidden.device)
+        if self.offset:
+            positions = positions + self.offset
         return self.drop(hidden + self.ctx.embed(self.inner, positions).to(hidden.dtype))
 
 
@@ -116,11 +148,13 @@ class DecoderBlock(HFPart):
     Options for families whose blocks take other arguments (defaults: GPT-2's call):
         window        sliding-window size of this layer (mask keys p - window < k <= p), or None
         rotary        the model's rotary embedding module: passes ``position_embeddings=(cos, sin)``
-                      at the slice's positions (computed once per slice, shared by the stage's
+                      at the slice's positions (computed once per plan, shared by the stage's
                       blocks). Held here so ``.to(device)`` moves its buffers; it has no parameters.
         position_ids  also pass ``position_ids`` of the slice
         cache_arg     keyword under which the block takes the cache (GPT-Neo: ``layer_past``)
     A block returning a tuple (hidden, attention weights) gives its first element.
+    SDPA blocks get a ``SliceSpan`` as their mask and attend through ``attention.py`` (no
+    l x (c + l) mask or scores); eager blocks get the mask tensor.
     """
 
     def __init__(self, inner, hf_name, ctx, *, window: int | None = None, rotary: nn.Module | None = None,
@@ -130,12 +164,15 @@ class DecoderBlock(HFPart):
         self.rotary = rotary
         self.pass_position_ids = position_ids or rotary is not None
         self.cache_arg = cache_arg
+        # SDPA attention modules dispatch to attention.slice_attention_forward, given a SliceSpan
+        self.spans = ctx.attn_implementation != "eager" and redirect(inner)
 
     def forward(self, hidden):
         ctx = self.ctx
-        kwargs = {self.cache_arg: ctx.cache, "attention_mask": ctx.mask(hidden, self.window)}
+        mask = ctx.span(self.window) if self.spans else ctx.mask(hidden, self.window)
+        kwargs = {self.cache_arg: ctx.cache, "attention_mask": mask}
         if self.pass_position_ids:
-            kwargs["position_ids"] = ctx.per_slice(("positions", hidden.device), lambda: ctx.positions(hidden.device))
+            kwargs["position_ids"] = ctx.plan_positions(hidden.device)
         if self.rotary is not None:
             kwargs["position_embeddings"] = ctx.rotary(self.rotary, hidden)
         out = self.inner(hidden, **kwargs)
@@ -147,7 +184,7 @@ class OffsetPositions(HFPart):
     ``OPTLearnedPositionalEmbedding``: rows shifted by 2), at the slice's positions."""
 
     def forward(self, hidden):
-        positions = self.ctx.positions(hidden.device)
+        positions = self.ctx.plan_positions(hidden.device)
         return hidden + self.inner(None, 0, position_ids=positions).to(hidden.device, hidden.dtype)
 
 
