@@ -167,3 +167,24 @@ def test_auto_slices_config(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
     assert "uniform:" in (out / "plan.txt").read_text()
+    assert (out / "cost_model.json").is_file()  # a --resume plans from it: the same split and slices
+
+
+def test_auto_run_keeps_its_cost_model(tmp_path):
+    """A fresh "auto" run writes its profile into the output dir (never reading an older one there);
+    its --resume reads it; an explicit terapipe.cost_model always wins."""
+    from tp_trainer.checks import keep_cost_model
+    out = tmp_path / "run"
+    fresh = {"slices": "auto"}
+    keep_cost_model(fresh, str(out), None)
+    assert fresh["cost_model"] == str(out / "cost_model.json")
+    out.mkdir()
+    (out / "cost_model.json").write_text("{}")
+    again, resumed, explicit, fixed = {"slices": "auto"}, {"slices": "auto"}, {"slices": "auto", "cost_model": "c.json"}, {
+        "slices": "uniform:4"}
+    keep_cost_model(again, str(out), None)
+    keep_cost_model(resumed, str(out), "latest")
+    keep_cost_model(explicit, str(out), "latest")
+    keep_cost_model(fixed, str(out), "latest")
+    assert "cost_model" not in again and resumed["cost_model"] == str(out / "cost_model.json")
+    assert explicit["cost_model"] == "c.json" and "cost_model" not in fixed

@@ -54,6 +54,7 @@ def validate(args, world_size: int) -> RunSpec:
     section = ds_config.setdefault("terapipe", {})
     if args.block_size is not None:
         section["seq_len"] = args.block_size
+    keep_cost_model(section, args.output_dir, args.resume)
     seq_len = section.get("seq_len", 1024)
     data = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
                     train_file=args.train_file, validation_file=args.validation_file, text_column=args.text_column,
@@ -73,6 +74,22 @@ def validate(args, world_size: int) -> RunSpec:
                                    args.reset_optimizer, args.reset_data_position)
         spec = RunSpec(**{**spec.__dict__, "resume_from": resume_from})
     return spec
+
+
+COST_MODEL_FILE = "cost_model.json"
+
+
+def keep_cost_model(section: dict, output_dir: str, resume: str | None) -> None:
+    """``"slices": "auto"`` without ``terapipe.cost_model``: the run's profile is kept in
+    ``output_dir/cost_model.json``, and a ``--resume`` of that run plans from it. Profiling again
+    could place the layers on other stages (the split is measured), and DeepSpeed's per-stage files
+    would then not fit the stages; planning from the same file gives the same split and slices.
+    A fresh run never reads an earlier run's file (it profiles, and keeps its own only where none is)."""
+    if section.get("slices") != "auto" or section.get("cost_model"):
+        return
+    path = os.path.join(output_dir, COST_MODEL_FILE)
+    if resume or not os.path.exists(path):
+        section["cost_model"] = path
 
 
 def _checkpoint(args):
