@@ -286,7 +286,7 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         if self.weight_grads is not None and len(self.weight_grads):
-            raise RuntimeError(f"{cmd}: weight gradients still deferred; the schedule sent no gradient of slice 0")
+            raise RuntimeError(f"{cmd}: weight gradients still deferred; a B has no W before this")
         ds_compat.reduce_tied_grads(self)
 
     def _exec_reduce(self, cmd: ReduceGrads):
