@@ -81,3 +81,12 @@ def write_results(out: str, report: dict, text: str) -> None:
     with open(out + ".md", "w", encoding="utf-8") as handle:
         handle.write(text + "\n")
     print(f"written: {out}.json, {out}.md")
+
+
+def extract_package(rev: str, into: str) -> str:
+    """``tp_trainer/`` as of git revision ``rev``, written under ``into``; returns ``into`` (a tree a
+    worker can put first on its path to time a "before" version beside this one)."""
+    import subprocess
+    archive = subprocess.run(["git", "archive", rev, "tp_trainer"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return into

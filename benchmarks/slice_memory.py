@@ -27,6 +27,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import extract_package  # noqa: E402
 BASELINE = "2352d8e"  # before issue 12's attention fix (HF's masked SDPA per slice)
 
 
@@ -146,10 +148,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="slice_memory_") as tmp:
         versions = {"after": ROOT}
         if args.baseline:
-            archive = subprocess.run(["git", "archive", args.baseline, "tp_trainer"], cwd=ROOT, capture_output=True,
-                                     check=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-            versions = {f"before ({args.baseline})": tmp, **versions}
+            versions = {f"before ({args.baseline})": extract_package(args.baseline, tmp), **versions}
         for model_name in args.models.split(","):
             for stage in (0, 1):
                 for version, path in versions.items():

@@ -43,6 +43,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import extract_package  # noqa: E402
 BASELINE = "2352d8e"  # the slice path before issue 13 section 3 (masks per slice, HF's masked SDPA)
 CATEGORIES = ("matmul", "attention", "mask+pos", "K/V", "CE", "grad acc", "other ops", "python")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
@@ -229,10 +231,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="slice_overhead_") as tmp:
         versions = {"after (this tree)": ROOT}
         if args.baseline:
-            archive = subprocess.run(["git", "archive", args.baseline, "tp_trainer"], cwd=ROOT, capture_output=True,
-                                     check=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-            versions = {f"before ({args.baseline})": tmp, **versions}
+            versions = {f"before ({args.baseline})": extract_package(args.baseline, tmp), **versions}
         for turn in range(args.rounds):
             for name, path in versions.items():
                 result = run_version(args, path, profile=turn == 0)

@@ -15,11 +15,13 @@ from tp_trainer.planner.predict import plan_schedules, with_slices
 MIB = 2 ** 20
 
 
-def _cost(**terms) -> StageCost:
+def _cost(hidden: int = 256, **terms) -> StageCost:
+    """A synthetic stage cost: forward coefficients ``terms`` (feature names with "_" for "*"),
+    backward twice the forward."""
     coef = np.zeros(len(FEATURES))
     for name, value in terms.items():
         coef[FEATURES.index(name.replace("_", "*"))] = value
-    return StageCost(list(coef), list(2 * coef), hidden=256)
+    return StageCost(list(coef), list(2 * coef), hidden=hidden)
 
 
 PARTS = {"prefix": PartMemory(params=8 * MIB, token=1024.0, pair=0.0, kv=0.0),

@@ -6,14 +6,14 @@ import json
 import os
 
 import exactness_cases as ec
-import numpy as np
 import pipeline_harness as harness
 import torch
 from multirank import run_ranks
+from test_memory_plan import _cost as synthetic_cost
 
 from tp_trainer.model.gpt2 import PREFIX, SUFFIX
 from tp_trainer.planner import memory_plan
-from tp_trainer.planner.cost_model import FEATURES, StageCost
+from tp_trainer.planner.cost_model import StageCost
 from tp_trainer.planner.layer_cost import LayerCosts, plan_layout
 from tp_trainer.planner.memory_model import GIB, PartMemory
 
@@ -22,10 +22,7 @@ MIB = 2 ** 20
 
 
 def _cost(**terms) -> StageCost:
-    coef = np.zeros(len(FEATURES))
-    for name, value in terms.items():
-        coef[FEATURES.index(name.replace("_", "*"))] = value
-    return StageCost(list(coef), list(2 * coef), hidden=32)
+    return synthetic_cost(hidden=32, **terms)
 
 
 def tiny_layers() -> LayerCosts:

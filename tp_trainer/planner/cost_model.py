@@ -161,9 +161,18 @@ class PipelineCost:
     def describe(self) -> str:
         lines = []
         for i, s in enumerate(self.stages):
-            err = s.heldout or {}
-            lines.append(f"stage {i}: {len(s.samples)} points, held-out error of fwd+bwd "
-                         f"mean {100 * err.get('mean', float('nan')):.1f}% max {100 * err.get('max', float('nan')):.1f}%"
-                         f", step {1e3 * s.step_time:.1f} ms")
-        lines.append(f"p2p: {1e6 * self.p2p_latency:.0f} us + {self.p2p_per_byte * 1e9:.3f} ns/byte")
+            lines.append(fit_line(f"stage {i}", s))
+        lines.append(link_line(self.p2p_latency, self.p2p_per_byte))
         return "\n".join(lines)
+
+
+def fit_line(name: str, fit) -> str:
+    """One line of a cost report: a fitted part's points, held-out error and optimizer step."""
+    err = fit.heldout or {}
+    return (f"{name}: {len(fit.samples)} points, held-out error of fwd+bwd mean "
+            f"{100 * err.get('mean', float('nan')):.1f}% max {100 * err.get('max', float('nan')):.1f}%, "
+            f"step {1e3 * fit.step_time:.1f} ms")
+
+
+def link_line(latency: float, per_byte: float) -> str:
+    return f"p2p: {1e6 * latency:.0f} us + {per_byte * 1e9:.3f} ns/byte"

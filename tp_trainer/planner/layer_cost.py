@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..model.split import StageSplit, layer_names, split_by_cost
-from .cost_model import PipelineCost, StageCost, features
+from .cost_model import PipelineCost, StageCost, features, fit_line, link_line
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
 from .report import make_plan
@@ -95,12 +95,8 @@ class LayerCosts:
         """The measured parts: points, held-out error, optimizer step; the link."""
         lines = []
         for name in PARTS:
-            part = getattr(self, name)
-            err = part.heldout or {}
-            lines.append(f"{name}: {len(part.samples)} points, held-out error of fwd+bwd mean "
-                         f"{100 * err.get('mean', float('nan')):.1f}% max {100 * err.get('max', float('nan')):.1f}%, "
-                         f"step {1e3 * part.step_time:.1f} ms")
-        lines.append(f"p2p: {1e6 * latency:.0f} us + {per_byte * 1e9:.3f} ns/byte")
+            lines.append(fit_line(name, getattr(self, name)))
+        lines.append(link_line(latency, per_byte))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
