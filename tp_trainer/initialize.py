@@ -23,7 +23,6 @@ from .failures import together
 from .ds_compat import stage_of_rank
 from .memory import current_rss_mb
 from .model.pipeline import build_pipeline_module
-from .ds_compat.shm import release_shm_buffer
 
 
 def launch_world_size() -> int:
@@ -39,7 +38,6 @@ def init_process_group(dist_init_required=None) -> None:
         return
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                dist_init_required=dist_init_required)
-    release_shm_buffer()  # DeepSpeed's CPU all-reduce buffer would stay in /dev/shm after the run
 
 
 def initialize(model, config=None, args=None, training_data=None, optimizer=None, lr_scheduler=None,
