@@ -38,37 +38,35 @@ PLANNED_OVERSHOOT = 1.3
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    from tp_trainer.memory import current_rss_mb
+    return int(current_rss_mb() * 2 ** 20)
+
+
+def _proc_kib(path: str, key: str) -> int:
+    """The ``key:`` line of a /proc status file (``... kB``), in bytes."""
+    with open(path) as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in {path}")
 
 
 def hwm_bytes() -> int:
     """VmHWM: the process's peak resident memory since the last reset."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _proc_kib("/proc/self/status", "VmHWM")
 
 
 def release_memory() -> None:
     """Collect garbage and hand glibc's free heap pages back to the OS, so the next length's
     baseline is what is still in use."""
-    import ctypes
+    from tp_trainer.memory import release_freed
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc
-        pass
+    release_freed()
 
 
 def available_bytes() -> int:
     """MemAvailable: what the machine can still give without swapping or killing (other jobs count)."""
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def reset_hwm() -> None:

@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU shared-memory all-reduce buffers, released once every local rank has mapped them.
+"""DeepSpeed's CPU shared-memory all-reduce buffers, which outlive every launch, and their removal.
 
 On CPU, DeepSpeed's ``TorchBackend.__init__`` (checked 0.19.8, ``deepspeed/comm/torch.py``) runs its
 ``deepspeed_shm_comm`` op's ``initialize`` when every rank is local (``LOCAL_SIZE == WORLD_SIZE``):
@@ -6,10 +6,10 @@ each rank creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MAS
 (~66 MiB) and maps every other rank's file (``ops/csrc/cpu/comm/shm.cpp``: ``shm_initialize``). It
 never unlinks them, so each launch leaves 66 MiB per rank in /dev/shm, which is RAM.
 
-Unlinking its own file after a barrier at start-up (``release_shm_buffer``) frees it whatever way the
-process ends, but with it 1 of 3 launches of a bad-input test aborted at interpreter exit
-("terminate called without an active exception"), against 0 of 5 without, so the run does not call
-it. Launchers that know their port remove what a finished launch left (``remove_leftovers``; the
+Each rank unlinking its own file after a barrier at start-up (every rank has mapped every file by
+then) would free it however the process ends. Tried in session 4: 1 of 3 launches of a bad-input
+test then aborted at interpreter exit ("terminate called without an active exception"), against 0 of
+5 without, so the run does not do it. Launchers that know their port remove what a finished launch left (``remove_leftovers``; the
 launcher tests do).
 """
 
@@ -25,21 +25,6 @@ def buffer_path(rank: int, addr: str | None = None, port: str | None = None) -> 
     addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
     port = os.environ.get("MASTER_PORT", "") if port is None else port
     return f"{PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
-
-
-def release_shm_buffer() -> bool:
-    """Unlink this rank's buffer after a barrier (every rank has mapped every buffer by then).
-
-    Collective when the process group exists; returns whether a file was removed."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return False
-    dist.barrier()
-    try:
-        os.unlink(buffer_path(dist.get_rank()))
-    except FileNotFoundError:  # not all ranks local, a GPU backend, or already released
-        return False
-    return True
 
 
 def remove_leftovers(port: int | str, addr: str = "127.0.0.1") -> int:
