@@ -116,7 +116,7 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
             cost.save(cost_model_path)
     result = [None]
     if rank == 0:
-        plan, seconds = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
+        plan, seconds = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size, schedule=schedule)
         text = cost.describe() + "\n" + report(plan, cost, stages, schedule, seconds)
         result = [(plan, text)]
         if save_dir:

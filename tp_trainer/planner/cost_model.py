@@ -98,6 +98,14 @@ class StageCost:
     def total(self, b, l, c):
         return features(b, l, c) @ (np.asarray(self.forward) + np.asarray(self.backward))
 
+    def weight(self, b, l, c, w_fit=None):
+        """W seconds of a unit (the weight-gradient part of ``bwd``), clamped to [0, bwd]; 0 without
+        W samples. ``w_fit``: the coefficients of :func:`weight_grad_fit` when already computed."""
+        w_fit = weight_grad_fit(self) if w_fit is None else w_fit
+        if w_fit is None:
+            return np.zeros(np.broadcast(*(np.asarray(x) for x in (b, l, c))).shape)
+        return np.clip(features(b, l, c) @ np.asarray(w_fit), 0.0, self.bwd(b, l, c))
+
     @classmethod
     def from_samples(cls, rows, hidden: int, bytes_per_element: int = 4, step_time: float = 0.0) -> "StageCost":
         """Fit from measured rows (b, l, c, forward s, backward s); held-out error of the total."""
@@ -119,6 +127,26 @@ class PipelineCost:
     def unit_cost(self, b, l, c):
         """Forward + backward time of a unit on the slowest stage (what the DP plans with)."""
         return np.max([s.total(b, l, c) for s in self.stages], axis=0)
+
+    @property
+    def splits_weight_grads(self) -> bool:
+        """Whether every stage measured its W part (then ``predict`` splits W's out of B, as the engine)."""
+        return all(weight_grad_fit(s) is not None for s in self.stages)
+
+    def critical_cost(self, stages: int):
+        """g(b, l, c) for the DP's bound (``dp.plan_batch(bound_fn=...)``): the unit's time on the
+        pipeline's critical path, max over the stages of forward + backward minus the W part (a W
+        waits for nothing and fills idle time, ``schedule.place_weight_grads``), plus with K > 1 the
+        two messages; None where the W's are not split (the bound is then the unit cost)."""
+        if not self.splits_weight_grads:
+            return None
+        fits = [weight_grad_fit(s) for s in self.stages]
+
+        def cost(b, l, c):
+            extra = 2.0 * self.comm(b, l) if stages > 1 else 0.0
+            return np.max([s.total(b, l, c) - s.weight(b, l, c, w) for s, w in zip(self.stages, fits)],
+                          axis=0) + extra
+        return cost
 
     def comm(self, b, l) -> np.ndarray:
         """Time of one p2p message of a slice's activation (or its gradient) between stages."""
@@ -164,6 +192,15 @@ class PipelineCost:
             lines.append(fit_line(f"stage {i}", s))
         lines.append(link_line(self.p2p_latency, self.p2p_per_byte))
         return "\n".join(lines)
+
+
+def weight_grad_fit(stage: StageCost) -> list[float] | None:
+    """Coefficients of the W time (same features as forward / backward), fitted on the 6th sample
+    column that ``profile_stage`` measures; None when the samples have no W column."""
+    samples = np.asarray(stage.samples, dtype=float)
+    if samples.ndim != 2 or samples.shape[1] < 6 or len(samples) < 3:
+        return None
+    return fit(samples[:, :3], samples[:, 5]).tolist()
 
 
 def fit_line(name: str, fit) -> str:

@@ -12,6 +12,12 @@ The batch of B sequences is split into microbatches (outer DP over sizes), and t
 
     min over t_max of  sum_microbatches S_b(t_max) + (K - 1) * t_max.
 
+``bound_fn`` (optional, default ``cost_fn``): the unit's cost on the pipeline's critical path, where
+it differs from the cost it adds to the sum. With weight gradients split out of the backward
+(``WeightGrad``, placed zero-bubble style), the fill / drain bubble is a unit's forward + backward
+(input gradient) only, the W's filling idle time: T = sum_u t_u + (K - 1) * max_u g_u, the bound
+t_max then applying to g (``PipelineCost.critical_cost``).
+
 Candidates t_max are the distinct slice costs (>= the least feasible bound), ascending. Scanning
 them all, as the paper does until ``(K - 1) * t_max`` exceeds the best total, is exact but slow in
 numpy when the best t_max is large (tens of thousands of O(n^2) DPs); ``_search`` gets the same
@@ -38,8 +44,9 @@ class PlannedBatch:
     """A plan: how a batch is split into microbatches and each microbatch's sequence into slices.
 
     ``microbatch_sizes[m]`` sequences in microbatch m, cut into ``slices[m]`` (token lengths summing
-    to ``seq_len``). ``predicted_time`` = sum of unit costs + (K - 1) * max unit cost (seconds);
-    ``t_max`` is the largest unit cost of the plan.
+    to ``seq_len``). ``predicted_time`` = sum of unit costs + (K - 1) * max unit bound cost (seconds;
+    the bound cost is the unit cost unless the DP was given a ``bound_fn``); ``t_max`` is the largest
+    unit bound cost of the plan.
     """
 
     seq_len: int
@@ -91,13 +98,15 @@ def cost_matrix(cost_fn, b: int, bounds: np.ndarray) -> np.ndarray:
     return np.where(valid, costs, INF)
 
 
-def min_sums(costs: np.ndarray, tmax: np.ndarray) -> np.ndarray:
+def min_sums(costs: np.ndarray, tmax: np.ndarray, limits: np.ndarray | None = None) -> np.ndarray:
     """S[b, t]: least sum of slice costs with every slice <= tmax[t], for each cost matrix costs[b].
 
-    ``costs`` (nb, n + 1, n + 1), ``tmax`` (T,). Work O(nb * T * n * w); inf where infeasible.
+    ``costs`` (nb, n + 1, n + 1), ``tmax`` (T,); ``limits`` (same shape as ``costs``, default
+    ``costs``): the slice costs the bound applies to. Work O(nb * T * n * w); inf where infeasible.
     """
+    limits = costs if limits is None else limits
     nb, n1, _ = costs.shape
-    allowed = costs <= tmax.max()
+    allowed = limits <= tmax.max()
     offsets = np.arange(n1)[None, :] - np.arange(n1)[:, None]  # k - i
     width = int(np.where(allowed.any(0), offsets, 0).max()) if allowed.any() else 0
     dp = np.full((nb, tmax.size, n1), INF)
@@ -106,19 +115,21 @@ def min_sums(costs: np.ndarray, tmax: np.ndarray) -> np.ndarray:
     for k in range(1, n1):
         lo = max(0, k - width)
         col = costs[:, lo:k, k][:, None, :]                         # (nb, 1, w)
-        step = np.where(col <= limit, col, INF)                     # (nb, T, w)
+        step = np.where(limits[:, lo:k, k][:, None, :] <= limit, col, INF)  # (nb, T, w)
         dp[:, :, k] = (dp[:, :, lo:k] + step).min(axis=2)
     return dp[:, :, -1]
 
 
-def best_slicing(costs: np.ndarray, tmax: float, bounds: np.ndarray) -> tuple[float, tuple[int, ...]]:
-    """(least sum, slice lengths) for one cost matrix (n + 1, n + 1) with every slice <= tmax.
+def best_slicing(costs: np.ndarray, tmax: float, bounds: np.ndarray,
+                 limits: np.ndarray | None = None) -> tuple[float, tuple[int, ...]]:
+    """(least sum, slice lengths) for one cost matrix (n + 1, n + 1) with every slice <= tmax
+    (every slice's entry of ``limits``, default ``costs``, <= tmax).
 
     Among equal sums the earliest cut point wins (np.argmin). Raises ValueError if no slicing
     meets the bound. O(n^2) with backpointers; used once, for the winning bound.
     """
     n1 = costs.shape[0]
-    step = np.where(costs <= tmax, costs, INF)
+    step = np.where((costs if limits is None else limits) <= tmax, costs, INF)
     dp, back = np.full(n1, INF), np.zeros(n1, dtype=int)
     dp[0] = 0.0
     for k in range(1, n1):
@@ -183,8 +194,10 @@ def _split(choice: np.ndarray, t: int, sizes: list[int], batch: int, uniform: bo
 
 def plan_batch(cost_fn, seq_len: int, batch: int, stages: int, granularity: int = 8,
                microbatch_sizes=None, uniform_microbatches: bool = True, chunk: int = 64,
-               probes_per_round: int = 64) -> PlannedBatch:
-    """The TeraPipe DP: the plan minimizing sum t + (K - 1) max t under ``cost_fn(b, l, c)``.
+               probes_per_round: int = 64, bound_fn=None, tmax: float | None = None) -> PlannedBatch:
+    """The TeraPipe DP: the plan minimizing sum t + (K - 1) max g, t = ``cost_fn(b, l, c)``,
+    g = ``bound_fn(b, l, c)`` (default t; see the module docstring). ``tmax``: no search, the least
+    sum with every g <= tmax (raised to the least feasible bound), for candidates near the optimum.
 
     ``microbatch_sizes``: allowed microbatch sizes (default 1..batch; pass [b] to fix it).
     ``uniform_microbatches``: only splits into equal microbatches (what ``SlicePlan`` can run).
@@ -198,21 +211,24 @@ def plan_batch(cost_fn, seq_len: int, batch: int, stages: int, granularity: int 
         raise ValueError(f"no allowed microbatch size splits the batch of {batch}: {microbatch_sizes}")
     bounds = boundaries(seq_len, granularity)
     costs = np.stack([cost_matrix(cost_fn, b, bounds) for b in sizes])
-    start = min(minimax(c) for c in costs)
-    cands = np.unique(costs[np.isfinite(costs) & (costs >= start)])
-    total = lambda probes: combine(_min_sums_grouped(costs, probes, chunk), sizes, batch,
+    limits = costs if bound_fn is None else np.stack([cost_matrix(bound_fn, b, bounds) for b in sizes])
+    start = min(minimax(c) for c in limits)
+    cands = np.unique(limits[np.isfinite(limits) & (limits >= start)])
+    total = lambda probes: combine(_min_sums_grouped(costs, probes, chunk, limits), sizes, batch,
                                    uniform_microbatches)[0]
     best_t = cands[-1] if stages == 1 else _search(cands, total, stages - 1, probes_per_round)
-    return _assemble(costs, bounds, best_t, sizes, batch, stages, seq_len, uniform_microbatches, cost_fn)
+    best_t = best_t if tmax is None else max(float(tmax), float(start))
+    return _assemble(costs, limits, bounds, best_t, sizes, batch, stages, seq_len, uniform_microbatches,
+                     cost_fn, bound_fn)
 
 
-def _min_sums_grouped(costs: np.ndarray, tmax: np.ndarray, chunk: int) -> np.ndarray:
+def _min_sums_grouped(costs: np.ndarray, tmax: np.ndarray, chunk: int, limits: np.ndarray) -> np.ndarray:
     """``min_sums`` over sorted groups of bounds, so small bounds run with a narrow band."""
     order = np.argsort(tmax)
     out = np.empty((costs.shape[0], tmax.size))
     for lo in range(0, tmax.size, chunk):
         idx = order[lo:lo + chunk]
-        out[:, idx] = min_sums(costs, tmax[idx])
+        out[:, idx] = min_sums(costs, tmax[idx], limits)
     return out
 
 
@@ -246,26 +262,32 @@ def _search(cands: np.ndarray, total, slope: float, probes_per_round: int) -> fl
     return float(cands[best_i])
 
 
-def _assemble(costs, bounds, tmax, sizes, batch, stages, seq_len, uniform, cost_fn) -> PlannedBatch:
-    sums = min_sums(costs, np.array([tmax]))
+def _assemble(costs, limits, bounds, tmax, sizes, batch, stages, seq_len, uniform, cost_fn, bound_fn) -> PlannedBatch:
+    sums = min_sums(costs, np.array([tmax]), limits)
     _, choice = combine(sums, sizes, batch, uniform)
     split = _split(choice, 0, sizes, batch, uniform)
-    slicing = {b: best_slicing(costs[sizes.index(b)], tmax, bounds)[1] for b in set(split)}
+    slicing = {b: best_slicing(costs[sizes.index(b)], tmax, bounds, limits[sizes.index(b)])[1] for b in set(split)}
     slices = tuple(slicing[b] for b in split)
-    time, worst = plan_time(cost_fn, split, slices, stages)
-    table = uniform_table(cost_fn, seq_len, split, stages)
+    time, worst = plan_time(cost_fn, split, slices, stages, bound_fn)
+    table = uniform_table(cost_fn, seq_len, split, stages, bound_fn=bound_fn)
     return PlannedBatch(seq_len, stages, tuple(split), slices, time, worst, table)
 
 
-def plan_time(cost_fn, microbatch_sizes, slices, stages: int) -> tuple[float, float]:
-    """(sum t + (K - 1) max t, max t) of a plan, with t = cost_fn(b, l, c) per unit."""
+def _unit_costs(fn, microbatch_sizes, slices) -> np.ndarray:
     unit = []
     for b, sl in zip(microbatch_sizes, slices):
         ctx = np.concatenate([[0], np.cumsum(sl)[:-1]])
-        unit.append(np.asarray(cost_fn(np.full(len(sl), b, float), np.asarray(sl, float), ctx.astype(float)),
+        unit.append(np.asarray(fn(np.full(len(sl), b, float), np.asarray(sl, float), ctx.astype(float)),
                                dtype=float) * np.ones(len(sl)))
-    unit = np.concatenate(unit)
-    return float(unit.sum() + (stages - 1) * unit.max()), float(unit.max())
+    return np.concatenate(unit)
+
+
+def plan_time(cost_fn, microbatch_sizes, slices, stages: int, bound_fn=None) -> tuple[float, float]:
+    """(sum t + (K - 1) max g, max g) of a plan, with t = cost_fn(b, l, c) per unit and
+    g = bound_fn(b, l, c) (default t)."""
+    unit = _unit_costs(cost_fn, microbatch_sizes, slices)
+    bound = unit if bound_fn is None else _unit_costs(bound_fn, microbatch_sizes, slices)
+    return float(unit.sum() + (stages - 1) * bound.max()), float(bound.max())
 
 
 def uniform_slices(seq_len: int, count: int) -> tuple[int, ...]:
@@ -274,11 +296,12 @@ def uniform_slices(seq_len: int, count: int) -> tuple[int, ...]:
     return tuple(base + 1 if j < extra else base for j in range(count))
 
 
-def uniform_table(cost_fn, seq_len: int, microbatch_sizes, stages: int, counts=None) -> dict[str, float]:
+def uniform_table(cost_fn, seq_len: int, microbatch_sizes, stages: int, counts=None,
+                  bound_fn=None) -> dict[str, float]:
     """Predicted time of uniform plans ``uniform:N`` for N = 1, 2, 4, ... (same microbatch split)."""
     counts = counts or [n for n in (2 ** p for p in range(12)) if n <= seq_len]
     out = {}
     for n in counts:
         slices = tuple(uniform_slices(seq_len, n) for _ in microbatch_sizes)
-        out[f"uniform:{n}"] = plan_time(cost_fn, microbatch_sizes, slices, stages)[0]
+        out[f"uniform:{n}"] = plan_time(cost_fn, microbatch_sizes, slices, stages, bound_fn)[0]
     return out

@@ -161,7 +161,7 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
     split = layers.split(plan, stages)
     for _ in range(rounds):
         cost = layers.pipeline_cost(split, latency, per_byte, meta)
-        plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
+        plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size, schedule=schedule)
         seen[split.parts] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
                                    stage_busy(layers, split, plan), 0)
         split = layers.split(plan, stages)

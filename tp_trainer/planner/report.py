@@ -5,16 +5,17 @@ from __future__ import annotations
 import time
 
 from .cost_model import PipelineCost
-from .dp import PlannedBatch, plan_batch, uniform_slices
-from .predict import predict_time, with_slices
+from .dp import PlannedBatch, uniform_slices
+from .predict import choose_plan, predict_time, with_slices
 
 
 def make_plan(cost: PipelineCost, seq_len: int, batch: int, stages: int, granularity: int = 8,
-              microbatch_size: int | None = None, uniform_microbatches: bool = True) -> tuple[PlannedBatch, float]:
-    """(plan, planner seconds). ``microbatch_size`` fixes b; None lets the DP choose the split."""
+              microbatch_size: int | None = None, uniform_microbatches: bool = True,
+              schedule: str = "gpipe") -> tuple[PlannedBatch, float]:
+    """(plan, planner seconds). ``microbatch_size`` fixes b; None lets the DP choose the split.
+    The DP's plans and uniform ones are judged by the simulated ``schedule`` (``predict.choose_plan``)."""
     start = time.perf_counter()
-    sizes = [microbatch_size] if microbatch_size else None
-    plan = plan_batch(cost.planning_cost(stages), seq_len, batch, stages, granularity, sizes, uniform_microbatches)
+    plan, _ = choose_plan(cost, seq_len, batch, stages, granularity, microbatch_size, uniform_microbatches, schedule)
     return plan, time.perf_counter() - start
 
 
