@@ -49,7 +49,7 @@ def summarize_run(args, res: dict) -> dict:
             "eff_vs_a": med[A] / k / med[C], "eff_vs_d": med[D] / k / med[C],
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
-            "load_max": max(res["load_1min"]), "timeline": res["timeline"],
+            "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
             "predicted_s": res["predicted_s"], "slices": res["slices"],
             "first_loss": {n: res["losses"][n][0] for n in res["names"]}}
 
@@ -96,7 +96,7 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                    f"efficiency of (c) vs (a)/K {_spread([r['eff_vs_a'] for r in runs])}, vs (d)/K "
                    f"{_spread([r['eff_vs_d'] for r in runs])}, vs the stage probe "
                    f"{_spread([r['eff_vs_probe'] for r in runs])}"),
-              _probe_line(last), _timeline_line(last),
+              _probe_line(last), _timeline_line(last), _prediction_line(last),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "
                f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"),
@@ -124,6 +124,27 @@ def _probe_line(run: dict) -> str:
                       f"{p['alone']:.3f})" for i, p in enumerate(probe))
     return (f"stage probe (last run; each stage's units of (c)'s plan, fwd + bwd + weight gradients, all stages "
             f"at once, median of {probe[0]['rounds']}): {parts}")
+
+
+def _prediction_line(run: dict) -> str:
+    """Where the predicted (c) step parts from the measured one (last run): the simulated compute per
+    stage and kind against the drawn step's; the tail; the drawn step's time outside its instructions
+    (barrier, ``train_batch`` around the schedule); the timed steps' median against the drawn step."""
+    sim, tl = run.get("simulated"), run["timeline"]
+    if not sim or "wall_s" not in tl:
+        return "prediction breakdown: n/a (older result)"
+    parts = []
+    for stage, busy in sim["busy_s"].items():
+        got = tl["busy_s"].get(stage, {})
+        kinds = ", ".join(f"{kind[0]} {busy[kind]:.3f}/{got.get(kind, 0.0):.3f}" for kind in sorted(busy))
+        parts.append(f"stage {stage} {kinds}, its compute ends {sim['compute_end_s'][stage]:.3f}/"
+                     f"{tl['compute_end_s'][stage]:.3f}")
+    median = run["median_s"][C]
+    return (f"prediction vs measurement (predicted/measured s, last run): {'; '.join(parts)}; "
+            f"step: predicted {sim['step_s']:.3f}, drawn step's instructions end {tl['end_s']:.3f} "
+            f"(compute {tl['step_s']:.3f} + tail), its wall {tl['wall_s']:.3f} "
+            f"(outside the instructions {tl['wall_s'] - tl['end_s']:+.3f}), timed steps' median {median:.3f} "
+            f"({median - tl['wall_s']:+.3f} against the drawn step: load and step-to-step spread)")
 
 
 def _timeline_line(run: dict) -> str:

@@ -88,21 +88,30 @@ def worker(args) -> None:
     bar.close()
     say("3 more (c) steps with every instruction timed; the median one is drawn")
     from tp_trainer.timeline import gather, record_step
-    recorded = [gather(record_step(engines[C], iter(cm.batches(args, total + i)))[1]) for i in range(3)]
-    everyone = None if rank else sorted(recorded, key=lambda ev: max(end for *_, end in ev))[1]
+    recorded, recorded_wall = [], []
+    for i in range(3):  # wall: this rank's barrier + train_batch, as the timed steps (beside the events' span)
+        start = time.perf_counter()
+        events = record_step(engines[C], iter(cm.batches(args, total + i)))[1]
+        recorded_wall.append(time.perf_counter() - start)
+        recorded.append(gather(events))
+    median = None if rank else sorted(range(3), key=lambda i: max(end for *_, end in recorded[i]))[1]
+    everyone = None if rank else recorded[median]
     say("stage probe: each stage's layers on the whole sequence, alone and all stages at once")
     gathered = [None] * tdist.get_world_size()
-    mine = {"wall": wall, "cpu": cpu, "stage": engines[C].stage_id, "probe": stage_probe(engines[C], args)}
+    mine = {"wall": wall, "cpu": cpu, "stage": engines[C].stage_id, "probe": stage_probe(engines[C], args),
+            "recorded_wall": recorded_wall}
     tdist.all_gather_object(gathered, mine)
     if rank == 0:
-        write_result(args, engines, names, gathered, losses, everyone, load)
+        write_result(args, engines, names, gathered, losses, everyone, load,
+                     max(r["recorded_wall"][median] for r in gathered))
     tdist.barrier()
     sys.stdout.flush()
     os._exit(0)  # skip process-group destructors: gloo's threads can abort at interpreter exit
 
 
-def write_result(args, engines, names, gathered, losses, everyone, load) -> None:
-    """Rank 0: the timeline PNG and the raw results (read back by the launching process)."""
+def write_result(args, engines, names, gathered, losses, everyone, load, recorded_wall: float) -> None:
+    """Rank 0: the timeline PNG and the raw results (read back by the launching process).
+    ``recorded_wall``: the drawn step's wall time (slowest rank, barrier + ``train_batch``)."""
     from tp_trainer.timeline import compute_boxes, draw, predicted_boxes
     plan = engines[C].plan
     boxes = compute_boxes(everyone)
@@ -113,17 +122,37 @@ def write_result(args, engines, names, gathered, losses, everyone, load) -> None
     from tp_trainer.planner.predict import predict_time, with_slices
     cost = PipelineCost.load(args.cost_model)
     slices = {name: list(engines[name].plan.slices) for name in names if name not in (A, D)}
-    predicted_s = {name: predict_time(with_slices(args.seq_len, args.stages, [1] * args.batch, s), cost, args.stages)
-                   for name, s in slices.items()}
+    schedule = engines[C].schedule_name
+    predicted_s = {name: predict_time(with_slices(args.seq_len, args.stages, [1] * args.batch, s), cost, args.stages,
+                                      schedule) for name, s in slices.items()}
     span = max(end for stage_boxes in boxes.values() for *_, end in stage_boxes)
     busy = {stage: _busy_by_kind(stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     tail = {stage: _tail_after_compute(everyone, stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
               "plan_report": engines[C].plan_report, "load_1min": load,
               "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()},
-                           "tail_s": {str(k): v for k, v in tail.items()}}}
+                           "tail_s": {str(k): v for k, v in tail.items()},
+                           "end_s": max(end for *_, end in everyone), "wall_s": recorded_wall,
+                           "compute_end_s": {str(k): max(end for *_, end in b) for k, b in boxes.items()}},
+              "simulated": simulated_breakdown(with_slices(args.seq_len, args.stages, [1] * args.batch, slices[C]),
+                                               cost, args.stages, schedule)}
     with open(args.result, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
+
+
+def simulated_breakdown(plan, cost, stages: int, schedule: str) -> dict:
+    """The prediction's own timeline, in the measured timeline's terms: per stage the busy seconds per
+    kind (ForwardSlice, BackwardSlice, WeightGrad) and the end of its last one, and the step."""
+    from tp_trainer.planner.predict import simulate_plan
+    from tp_trainer.timeline import BOXES
+    sim = simulate_plan(plan, cost, stages, schedule)
+    busy, last = {}, {}
+    for stage, ins, start, end in sim.timeline:
+        if isinstance(ins, BOXES):
+            kinds = busy.setdefault(str(stage), {})
+            kinds[type(ins).__name__] = kinds.get(type(ins).__name__, 0.0) + end - start
+            last[str(stage)] = max(last.get(str(stage), 0.0), end)
+    return {"step_s": sim.makespan, "busy_s": busy, "compute_end_s": last}
 
 
 def _busy_by_kind(stage_boxes) -> dict:

@@ -3,7 +3,8 @@
 A model's pipeline layers are ``[*prefix, N identical blocks, *suffix]``. Three parts are timed
 on a probe model of the same config with ONE block (random weights, this device, fp32), before the
 run's own model is built: the prefix alone (token ids -> hidden), one block, and the suffix alone
-(hidden -> loss), each with ``profile.profile_stage`` over the grid a stage gets. A part's fitted
+(hidden -> loss), each with ``profile.profile_stage`` over the grid a stage gets (part i on rank i %
+world; with gloo a rank that is done computes until all are, ``profile.busy_until_all_done``). A part's fitted
 ``StageCost`` is linear in the cost features, so a stage of k blocks (plus the prefix / suffix)
 costs the sum of the parts' coefficient vectors: every split is priced without profiling it.
 
@@ -218,7 +219,7 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names)."""
     from .memory_model import measure_part
-    from .profile import profile_stage
+    from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device)
     mine = [p for i, p in enumerate(PARTS) if i % world == rank]
     out, start = {}, time.perf_counter()
@@ -227,4 +228,5 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
         cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
                              max(budget, 0.0), desc=f"profile {name} (rank {rank})")
         out[name] = (cost, measure_part(parts[name], ctx, config.hidden_size, seq_len))
+    busy_until_all_done(mlp_filler(config.hidden_size))  # the parts measured with every rank computing, as in the step
     return out, tuple(adapter.PREFIX), tuple(adapter.SUFFIX)

@@ -6,7 +6,9 @@ of context, the layers called in order, the loss on the last stage (cross-entrop
 slice), ``backward`` with an output gradient elsewhere. Each grid point is run ``warmup`` times
 untimed, then ``repeats`` times; the median forward and backward times are kept, and the median
 weight-gradient (W) part of the backward: the stage's weight gradients deferred as the engine defers
-them, W timed alone (a 6th sample column, read by ``predict``).
+them, W timed alone (a 6th sample column, read by ``predict``). With several ranks profiling, a rank
+that is done keeps its core busy until all are (``busy_until_all_done``): in the step every stage
+computes at once, and a profile taken alone on a shared machine reads faster than the step runs.
 Grid: l in g, 1.5g, 2g, 3g, 4g, ... up to L (and L), c in {0, L/8, ..., 7L/8, L - l} with c + l <= L,
 b in the given microbatch sizes: ~110 points per b at L = 1024, g = 8. The points run in a fixed shuffled order,
 so when ``time_budget_s`` runs out the measured points still cover the grid.
@@ -158,6 +160,36 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
         torch.random.set_rng_state(rng_state)
     itemsize = torch.empty(0, dtype=runner.dtype).element_size()
     return StageCost.from_samples(rows, hidden, itemsize, step)
+
+
+def mlp_filler(hidden: int, tokens: int = 256):
+    """A callable that computes like a block's MLP (``tokens`` x ``hidden`` through 4 x ``hidden``) and
+    touches no model state (nor the global RNG): what a rank runs while it waits for the others' profiles."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(tokens, hidden, generator=gen), torch.randn(hidden, 4 * hidden, generator=gen) / hidden ** 0.5
+    return lambda: torch.nn.functional.gelu(x @ w) @ w.T
+
+
+def busy_until_all_done(filler, poll=None) -> int:
+    """Keep this core computing (``filler()``, untimed) until every rank has arrived here; returns the
+    filler calls. Collective (one async all-reduce, posted on arrival): each rank's profile is then
+    measured with every rank computing, as the pipelined step runs its stages, not alone after a
+    quicker rank finished. ``poll``: a callable that is True once all have arrived (tests); without
+    it and without a gloo process group of 2+ ranks, returns 0 at once."""
+    if poll is None:
+        import torch.distributed as tdist
+        if (not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() < 2
+                or tdist.get_backend() != "gloo"):  # gloo: CPU ranks sharing this machine's cores
+            return 0
+        work = tdist.all_reduce(torch.zeros(1), async_op=True)
+        calls = busy_until_all_done(filler, work.is_completed)
+        work.wait()
+        return calls
+    calls = 0
+    while not poll():
+        filler()
+        calls += 1
+    return calls
 
 
 def _progress(total: int, desc: str, enabled: bool):
