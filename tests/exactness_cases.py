@@ -41,6 +41,7 @@ def cases(world: int) -> list[dict]:
         out.append(_case(stages, 3, slices, tied, "1f1b"))
     if stages > 1:  # activation checkpointing (non-reentrant) of every layer
         out += [_case(stages, 3, "uneven", True, schedule, ckpt=True) for schedule in ("gpipe", "1f1b")]
+        out.append(_case(stages, 3, "uneven", False, "gpipe", ckpt=True))  # the fused head loss, untied
         out.append(_case(stages, 3, "uneven", True, "1f1b", zb=False))
     return out
 

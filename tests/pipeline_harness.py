@@ -105,7 +105,8 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> d
     params = {n: p.detach().clone() for n, p in named.items()}
     eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
-            "stage": engine.stage_id, "eval": eval_loss, "replica": replica}
+            "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
+            "fused_head_loss": getattr(engine, "head_loss", None) is not None}
 
 
 def save_rank(results: dict, out_dir: str) -> None:
@@ -126,7 +127,8 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
             if only is not None and name != only:  # merge that case alone
                 continue
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
-                                             "grads": {}, "params": {}})
+                                             "grads": {}, "params": {}, "fused_head_loss": False})
+            entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
             # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
             assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
                        zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"

@@ -49,6 +49,8 @@ def test_matches_hf(pipeline_results, case):
         report += ": float64 " + " ".join(f"{k} {v:.1e}" for k, v in worst64.items())
     worst32 = harness.check_float32(pipeline_results[case["name"] + "@f32"], reference(case, torch.float32), exact)
     print(report + " | fp32 distance/allowed " + " ".join(f"{k} {v:.2f}" for k, v in worst32.items()))
+    for key in case["dtypes"]:  # a checkpointed last stage runs its head and loss fused (model/head_loss.py)
+        assert pipeline_results[f"{case['name']}@{key}"]["fused_head_loss"] == case["ckpt"], key
     if case["same_as"]:  # activation checkpointing changes nothing: same loss and grads as without it
         for key in case["dtypes"]:
             got, plain = pipeline_results[f"{case['name']}@{key}"], pipeline_results[f"{case['same_as']}@{key}"]

@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import ds_compat
+from .model.head_loss import HeadLossLabels, fuse_head_loss
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import DeferredWeightGrads, defer_stage
 from .p2p import Transfers
@@ -77,8 +78,20 @@ class TeraPipeEngine(PipelineEngine):
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
         self._offsets = plan.offsets
         self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
+        self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         self.weight_grads = self._deferred_weight_grads() if defer_weight_grads else None
         self._reset_step_state()
+
+    def _fused_head_loss(self) -> HeadLossLabels | None:
+        """On an activation-checkpointed last stage, the LM head and its cross-entropy as one function
+        that keeps only the head's input for backward (model/head_loss.py), so checkpointing covers
+        the (tokens, vocab) log-softmax too. The stage's forward then returns the summed loss."""
+        if not self.is_last_stage() or self.module.activation_checkpoint_interval == 0:
+            return None
+        labels = fuse_head_loss(self.module.forward_funcs)
+        if labels is not None:
+            ds_compat.recheck_checkpointable(self.module)
+        return labels
 
     def _deferred_weight_grads(self) -> DeferredWeightGrads | None:
         """Split this stage's backward into B and W (model/weight_grad.py: every linear layer, the
@@ -212,6 +225,8 @@ class TeraPipeEngine(PipelineEngine):
         m, j = cmd.microbatch, cmd.slice
         kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
         self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
+        if self.head_loss is not None:
+            self.head_loss.labels = self._labels[(m, j)]
         if self.activation_tracker is None:
             outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
         else:
@@ -221,7 +236,9 @@ class TeraPipeEngine(PipelineEngine):
         if not training and j == self.plan.num_slices - 1:
             del self._kv[m]  # no backward will need it
         if self.is_last_stage():
-            loss = slice_loss(outputs, self._labels.pop((m, j)), self._tokens_per_microbatch)
+            labels = self._labels.pop((m, j))
+            loss = (outputs / self._tokens_per_microbatch if self.head_loss is not None
+                    else slice_loss(outputs, labels, self._tokens_per_microbatch))
             ds_compat.record_slice_loss(self, loss, training)
             if training:
                 self._losses[(m, j)] = loss

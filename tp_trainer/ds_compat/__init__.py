@@ -132,6 +132,13 @@ def stage_of_rank(module) -> int:
     return module._topo.get_coord(module.global_rank).pipe
 
 
+def recheck_checkpointable(module) -> None:
+    """Recompute which ``forward_funcs`` DeepSpeed's activation checkpointing wraps, after an entry
+    was replaced (the fused head loss): the flags are cached per interval at engine start."""
+    module.is_checkpointable_results_interval = None
+    module._precompute_checkpointable_values()
+
+
 def set_layer_bounds(module, start: int, stop: int) -> None:
     """Which layers [start, stop) this rank builds; what DeepSpeed's own partitioning ends with."""
     module._set_bounds(start=start, stop=stop)

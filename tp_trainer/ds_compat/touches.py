@@ -187,6 +187,14 @@ TOUCHES = (
     Touch(PIPE_MODULE, "forward_funcs", "This stage's built layers in order (deferred weight gradients, "
           "profiling).", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/planner/profile.py"), instance_attr=True,
           source=(("_build", ("self.forward_funcs.append(",)),)),
+    Touch(PIPE_MODULE, "_precompute_checkpointable_values", "Caches, per checkpoint interval, which layer "
+          "groups forward() checkpoints; ds_compat.recheck_checkpointable clears the cache key and calls it "
+          "again after the fused head loss replaced the head's entry.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",), params=("self",),
+          source=(("_precompute_checkpointable_values", (
+              "self.is_checkpointable_results_interval != self.activation_checkpoint_interval",
+              "self.is_checkpointable_results.append(self._is_checkpointable(funcs))")),
+                  ("forward", ("self.is_checkpointable_results",)))),
     Touch(PIPE_MODULE, "ckpt_layer_path", "Checkpoint files are layer_{idx:02d}[-rank]-model_states.pt; "
           "export.layer_file reads them by that name.", "checked 0.19.8", ("tp_trainer/export.py",),
           source=(("ckpt_layer_path", ("f'layer_{idx:02d}'", "'-model_states.pt'")),)),
