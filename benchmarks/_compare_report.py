@@ -50,6 +50,7 @@ def summarize_run(args, res: dict) -> dict:
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
+            "profile_load": res.get("profile_load"),
             "predicted_s": res["predicted_s"], "slices": res["slices"],
             "first_loss": {n: res["losses"][n][0] for n in res["names"]}}
 
@@ -99,7 +100,9 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
               _probe_line(last), _timeline_line(last), _prediction_line(last),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "
-               f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"),
+               f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"
+               + "".join(f"; around the profile the cost model was fitted on (run {i}): {r['profile_load'][0]:.2f} -> "
+                         f"{r['profile_load'][1]:.2f}" for i, r in enumerate(runs, 1) if r.get("profile_load"))),
               (f"goals: (c)/(a) >= {goal} (median of runs): {yes[goals[f'c_over_a_median_ge_{goal}']]} "
                f"({statistics.median(ratio):.2f}); (c) not slower than any (b): "
                f"{yes[goals['c_not_slower_than_any_b']]} ({med[C]:.3f} vs "

@@ -52,7 +52,9 @@ def worker(args) -> None:
     rank = int(os.environ["RANK"])
     say = (lambda text: print(f"[compare] {text}", flush=True)) if rank == 0 else (lambda text: None)
     say(f"building {C}: profiling each stage ({args.budget:.0f} s budget) or reading {args.cost_model}")
+    profiles, load_at_start = not os.path.isfile(args.cost_model), os.getloadavg()[0]
     engines = {C: cm.terapipe_engine(args, "auto", args.cost_model)}
+    args.profile_load = [load_at_start, os.getloadavg()[0]] if profiles else None  # 1-min load around the profile
     say(f"DP plan: {engines[C].plan}")
     for n in args.uniform:
         engines[f"(b) TeraPipe uniform:{n}"] = cm.terapipe_engine(args, f"uniform:{n}")
@@ -129,7 +131,7 @@ def write_result(args, engines, names, gathered, losses, everyone, load, recorde
     busy = {stage: _busy_by_kind(stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     tail = {stage: _tail_after_compute(everyone, stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
-              "plan_report": engines[C].plan_report, "load_1min": load,
+              "plan_report": engines[C].plan_report, "load_1min": load, "profile_load": args.profile_load,
               "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()},
                            "tail_s": {str(k): v for k, v in tail.items()},
                            "end_s": max(end for *_, end in everyone), "wall_s": recorded_wall,
