@@ -35,12 +35,12 @@ def tiny_layers() -> LayerCosts:
 
 
 def expected_choice(layers: LayerCosts):
-    """(limit GiB, chosen candidate, cost model): the limit at 60% of the fastest plan's peak, as the
-    run's planner will see it."""
+    """(limit GiB, chosen candidate, cost model): the limit such that plans may predict 60% of the
+    fastest plan's peak (the limit less memory_plan.MARGIN), as the run's planner will see it."""
     batch = ec.MICRO_BATCH * 3
     layout = plan_layout(layers, ec.SEQ_LEN, batch, 2, 1, ec.MICRO_BATCH)
     cands = memory_plan.candidates(layers, layers.memory, layout.split, ec.SEQ_LEN, batch, 2, 1, ec.MICRO_BATCH)
-    limit = round(0.6 * cands[0].peak / GIB, 4)
+    limit = round(0.6 * cands[0].peak / (1 - memory_plan.MARGIN) / GIB, 4)
     return limit, memory_plan.choose(cands, limit * GIB), layout.cost
 
 

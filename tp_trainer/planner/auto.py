@@ -137,8 +137,12 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     ``cost_model_path`` when it does not exist yet. ``memory_limit`` (bytes per rank): the order and
     checkpointing are chosen too (``memory_plan``); ``memory_plan.NoPlanFits`` on every rank if none fits.
     ``baseline_mb``: RSS before the model; what the ranks hold above it after profiling (freed memory
-    given back) is the runtime overhead every stage's predicted peak includes."""
+    given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
+    is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS)."""
     rank, world = _dist()
+    if memory_limit is not None:  # RSS then follows the bytes in use, as the memory model counts them
+        from ..memory import lean_heap
+        lean_heap()
     if cost is not None:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
                                            cost.p2p_per_byte, cost.meta)
@@ -169,6 +173,8 @@ def _overhead(baseline_mb: float | None) -> float:
     from ..memory import current_rss_mb, release_freed
     if baseline_mb is None:
         return 0.0
+    import gc
+    gc.collect()  # the profile's probe models, left in reference cycles
     release_freed()
     mine = [max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20]
     if _dist()[1] > 1:
@@ -211,7 +217,8 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
                                        microbatch_size, latency, per_byte, overhead=overhead)
         hidden_bytes = layers.block.hidden * layers.block.bytes_per_element
         longest = memory_plan.longest_fitting(layers.memory, layout.split, hidden_bytes, seq_len, stages,
-                                              layout.plan.microbatch_sizes, granularity, overhead)
+                                              layout.plan.microbatch_sizes, granularity, overhead,
+                                              layers.block.bytes_per_element)
         best = memory_plan.choose(cands, memory_limit, longest)
         plan = best.plan if best.plan.predicted_time == best.plan.predicted_time else dataclasses.replace(
             best.plan, predicted_time=best.predicted)  # a uniform candidate has no closed form: the simulated

@@ -6,6 +6,18 @@ Measured per part (prefix, one block, suffix: ``layer_cost``'s probe), in ``meas
     pair       bytes saved per (query, key) pair of a slice against its context, l (c + l): the
                attention scores when an attention path materializes them (0 when it does not)
     kv         bytes of the K/V buffers and their gradient accumulators per token of the sequence
+    back_*     the peak of the part's backward above what its forward left live (gradients of the
+               input and parameters, kernel temporaries): fixed + token l + pair l (c + l)
+    kept_token bytes a checkpointed part keeps per token (its input; K/V excluded)
+    ckpt_*     the peak of a checkpointed part's backward (its forward again + gradients) above
+               what it kept: fixed + token l + pair l (c + l). The suffix, checkpointed, is measured
+               on the fused LM-head loss where ``model.head_loss`` provides it (what the engine runs
+               on a checkpointed last stage), the plain head + cross-entropy otherwise: the suffix's
+               plain and checkpointed terms are its two paths.
+Peaks are RSS high-water marks above the RSS before the backward, measured with ``memory.leaned``
+(freed memory goes back to the OS, so RSS follows the bytes in use); -1: not measured (a cost file
+from before), the older estimates are used then (backward: the unit's saved bytes again;
+checkpointed: a block's input per block + the ends' saved, backward twice a block's saved).
 A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own schedule
 (``stage_peak``: the same instruction lists the engine executes):
     static       parameters + gradients + AdamW's two moments = 4 x the parameter bytes
@@ -13,21 +25,21 @@ A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own sche
                  l (c + l)) + the received input b l hidden x itemsize on later stages, until its
                  backward; a microbatch's K/V (b x seq x kv) lives from its first forward to the
                  backward of its slice 0
-    backward     the unit being run back also needs its gradients' temporaries, taken as its own
-                 saved bytes again
+    backward     the unit being run back adds the largest back_* (checkpointed: ckpt_*) of the
+                 stage's parts at its (b, l, c)
     deferred W   where the schedule defers weight gradients (``WeightGrad``), a unit's backward keeps
                  its linear layers' inputs and output gradients until its W: per token 16 hidden
                  values per block (inputs 7h, output gradients 9h of the 4 projections) and the
                  suffix's saved bytes (the logits' gradient)
-    checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only each
-                 block's input (b l hidden x itemsize per block) and the prefix / suffix; its
-                 backward recomputes one block at a time: + one block's saved bytes of that unit
+    checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only its
+                 parts' kept bytes
 Peak = static + the highest in-flight + backward figure over the schedule.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,18 +51,33 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class PartMemory:
-    """Measured bytes of one part (see the module docstring)."""
+    """Measured bytes of one part (see the module docstring; -1: not measured)."""
 
     params: float
     token: float
     pair: float
     kv: float
+    back_fixed: float = -1.0
+    back_token: float = 0.0
+    back_pair: float = 0.0
+    kept_token: float = -1.0
+    ckpt_fixed: float = -1.0
+    ckpt_token: float = 0.0
+    ckpt_pair: float = 0.0
+    fused_head: float = 0.0   # 1: the checkpointed terms were measured on the fused LM-head loss
+
+    def transient(self, b, l, c, ckpt: bool) -> float | None:
+        """The measured backward peak of one unit above its live bytes (None: not measured)."""
+        fixed, token, pair = ((self.ckpt_fixed, self.ckpt_token, self.ckpt_pair) if ckpt
+                              else (self.back_fixed, self.back_token, self.back_pair))
+        return None if fixed < 0 else fixed + b * (token * l + pair * l * (c + l))
 
 
 @dataclass(frozen=True)
 class StageMemory:
     """Bytes of one stage: its parts summed; ``blocks`` blocks of ``block``; ``hidden`` bytes per
-    token of the activation a stage receives (0 on the first stage)."""
+    token of the activation a stage receives (0 on the first stage); ``held``: its parts' PartMemory
+    (one per kind), whose measured backward peaks give ``backward_extra``."""
 
     static: float
     token: float
@@ -61,36 +88,57 @@ class StageMemory:
     kept_token: float      # checkpointed: bytes kept per token (blocks' inputs + prefix / suffix saved)
     input_token: float     # bytes per token of the received activation (later stages)
     w_token: float = 0.0   # bytes per token kept from a unit's B to its deferred W
+    held: tuple = ()
+    w_token_ckpt: float = -1.0  # the same, checkpointed (the fused head loss computes its own W); -1: w_token
+    output_token: float = 0.0   # bytes per token of the stage's output, kept for its backward (not last)
+    mask_pair: float = 0.0      # bytes per (query, key) pair of a slice's attention mask (see mask_bytes)
 
     def saved(self, b, l, c, ckpt: bool) -> float:
         if ckpt:
-            return b * l * (self.kept_token + self.input_token)
-        return b * (l * (self.token + self.input_token) + self.pair * l * (c + l))
+            return b * l * (self.kept_token + self.input_token + self.output_token)
+        return b * (l * (self.token + self.input_token + self.output_token) + self.pair * l * (c + l))
+
+    def weight_token(self, ckpt: bool) -> float:
+        return self.w_token_ckpt if ckpt and self.w_token_ckpt >= 0 else self.w_token
 
     def backward_extra(self, b, l, c, ckpt: bool) -> float:
+        measured = [p.transient(b, l, c, ckpt) for p in self.held]
+        if measured and None not in measured:
+            return max(measured)
         if ckpt:
             return 2.0 * b * (l * self.block_token + self.block_pair * l * (c + l))
         return b * (l * self.token + self.pair * l * (c + l))
 
 
-def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: bool) -> StageMemory:
+def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: bool,
+                 mask_pair: float = 0.0) -> StageMemory:
     """The StageMemory of a stage holding layer ``names`` (``parts``: prefix / block / suffix
-    PartMemory); ``first`` / ``last``: it holds the prefix / the suffix."""
+    PartMemory); ``first`` / ``last``: it holds the prefix / the suffix; ``mask_pair``: bytes per
+    element of the attention masks (the activations' itemsize; 0: none counted)."""
     blocks = sum(n.startswith("h.") for n in names)
     ends = ([parts["prefix"]] if first else []) + ([parts["suffix"]] if last else [])
     held = [parts["block"]] * blocks + ends
+    if all(p.kept_token >= 0 for p in held):
+        kept = sum(p.kept_token for p in held)
+    else:
+        kept = blocks * hidden_bytes + sum(p.token for p in ends)
     return StageMemory(static=4.0 * sum(p.params for p in held), token=sum(p.token for p in held),
                        pair=sum(p.pair for p in held), kv=sum(p.kv for p in held),
                        block_token=parts["block"].token, block_pair=parts["block"].pair,
-                       kept_token=blocks * hidden_bytes + sum(p.token for p in ends),
-                       input_token=0.0 if first else hidden_bytes,
-                       w_token=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last else 0.0))
+                       kept_token=kept, input_token=0.0 if first else hidden_bytes,
+                       w_token=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last else 0.0),
+                       held=tuple({id(p): p for p in held}.values()),
+                       w_token_ckpt=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last and not
+                                                                    parts["suffix"].fused_head else 0.0),
+                       output_token=0.0 if last else hidden_bytes, mask_pair=mask_pair)
 
 
-def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool) -> float:
+def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool, trace=None) -> float:
     """Predicted peak bytes of one stage running ``steps`` (its schedule: a list of steps, each a list
-    of instructions); ``units[(m, j)] = (b, l, c)``."""
-    live = peak = 0.0
+    of instructions); ``units[(m, j)] = (b, l, c)``. ``trace``: a list that gets (instruction, live
+    bytes after it, peak so far) per instruction, static bytes included."""
+    cached, uncached = mask_bytes(memory.mask_pair, units)
+    live = peak = cached   # the masks kept per plan live across steps
     started = set()
     deferred = {(ins.microbatch, ins.slice) for step in steps for ins in step if isinstance(ins, WeightGrad)}
     for step in steps:
@@ -101,20 +149,44 @@ def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool
                     started.add(ins.microbatch)
                     live += b * seq_len * memory.kv
                 live += memory.saved(b, l, c, ckpt)
-                peak = max(peak, live)
+                peak = max(peak, live + uncached.get((l, c), 0.0))
             elif isinstance(ins, BackwardSlice):
                 b, l, c = units[(ins.microbatch, ins.slice)]
-                peak = max(peak, live + memory.backward_extra(b, l, c, ckpt))
+                peak = max(peak, live + memory.backward_extra(b, l, c, ckpt) + uncached.get((l, c), 0.0))
                 live -= memory.saved(b, l, c, ckpt)
                 if ins.slice == 0:
                     live -= b * seq_len * memory.kv
                 if (ins.microbatch, ins.slice) in deferred:
-                    live += b * l * memory.w_token
+                    live += b * l * memory.weight_token(ckpt)
                     peak = max(peak, live)
             elif isinstance(ins, WeightGrad):
                 b, l, _ = units[(ins.microbatch, ins.slice)]
-                live -= b * l * memory.w_token
+                live -= b * l * memory.weight_token(ckpt)
+            if trace is not None:
+                trace.append((str(ins), memory.static + live, memory.static + peak))
     return memory.static + peak
+
+
+def mask_bytes(pair_bytes: float, units: dict) -> tuple[float, dict]:
+    """(bytes of the attention masks the slice context keeps across steps, {(l, c): bytes of a mask
+    built per slice}): each slice after the first has an l x (c + l) mask (``pair_bytes`` a pair),
+    kept per plan in the order first met while they total <= ``SliceContext.PLAN_CACHE_MASK_BYTES``,
+    else built for its slice alone (one at a time: it lives until the next slice begins)."""
+    from ..model.layers import SliceContext
+    cached, uncached = 0.0, {}
+    if pair_bytes <= 0:
+        return cached, uncached
+    seen = set()
+    for _, (_, l, c) in sorted(units.items()):
+        if c == 0 or (l, c) in seen:  # the first slice takes the causal kernel: no mask
+            continue
+        seen.add((l, c))
+        size = pair_bytes * l * (c + l)
+        if cached + size <= SliceContext.PLAN_CACHE_MASK_BYTES:
+            cached += size
+        else:
+            uncached[(l, c)] = size
+    return cached, uncached
 
 
 def plan_units(plan) -> dict:
@@ -130,36 +202,129 @@ def plan_units(plan) -> dict:
 # ------------------------------------------------------------------------------------ measuring
 
 def measure_part(funcs, ctx, hidden: int, seq_len: int, points=None) -> PartMemory:
-    """Bytes a part's forward saves for backward, fitted over (l, c) points as token l + pair
-    l (c + l), K/V bytes per sequence token and parameter bytes. Leaves no gradients behind."""
-    from ..memory import ActivationTracker
-    from ..model.slice_cache import SequenceKV
+    """The part's PartMemory: over (l, c) points, bytes its forward saves (fitted token l + pair
+    l (c + l)), its backward's peak above that, what it keeps checkpointed and that backward's peak
+    (fixed + token l + pair l (c + l)); K/V bytes per sequence token; parameter bytes. RSS peaks are
+    taken with the heap leaned (``memory.leaned``). Leaves no gradients behind, restores the RNG."""
+    from ..memory import leaned
     from .profile import StageRunner
     runner = StageRunner(funcs, ctx, hidden, seq_len)
     quarter = max(1, seq_len // 4)
-    points = points or [(quarter, 0), (quarter, seq_len - quarter), (2 * quarter, seq_len - 2 * quarter)]
-    rows, kv_token = [], 0.0
+    points = points or [(max(1, quarter // 2), 0), (quarter, 0), (quarter, seq_len - quarter),
+                        (2 * quarter, seq_len - 2 * quarter)]
+    rows = []
     rng = torch.random.get_rng_state()
-    for l, c in points:
-        kv = SequenceKV(seq_len)
-        tracker = ActivationTracker(runner.params)
-        x = runner._input(1, l)
-        with tracker.track():
-            ctx.begin(kv, c, l)
-            out = x
-            for func in runner.funcs:
-                out = func(out)
-            if out.shape[-1] != hidden:
-                labels = torch.randint(0, out.shape[-1], out.shape[:2], device=out.device)
-                out = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), labels.flatten(), reduction="sum")
-        buffers = [t for tensors in kv.layers.values() for t in tensors]
-        rows.append((l, l * (c + l), tracker.live - tracker.bytes_of(buffers)))
-        kv_token = sum(t.nbytes for t in buffers) / seq_len
-        del out, x, kv
+    with leaned():
+        for l, c in points:
+            saved, kv_token, back = _plain_unit(runner, ctx, l, c)
+            kept, ckpt = _checkpointed_unit(runner, ctx, l, c)
+            rows.append((l, l * (c + l), saved, back, kept, ckpt))
     torch.random.set_rng_state(rng)
-    data = np.asarray(rows, dtype=float)
-    coef = np.linalg.lstsq(data[:, :2], data[:, 2], rcond=None)[0]
-    if coef[1] < 0 or coef[0] < 0:   # no pair term measurable: per token only
-        coef = np.array([max(0.0, float(np.max(data[:, 2] / data[:, 0]))), 0.0])
+    data = np.asarray([[v if v is not None else np.nan for v in row] for row in rows], dtype=float)
+    token, pair = _fit(data[:, :2], data[:, 2], fixed=False)
     params = float(sum(p.numel() * p.element_size() for p in runner.params))
-    return PartMemory(params, float(coef[0]), float(coef[1]), float(kv_token))
+    out = PartMemory(params, token, pair, float(kv_token))
+    if np.isnan(data[:, 3:]).any():  # no VmHWM here: the older estimates
+        return out
+    back = _fit(data[:, :2], data[:, 3], fixed=True)
+    kept = float(max(0.0, np.max(data[:, 4] / data[:, 0])))
+    ckpt = _fit(data[:, :2], data[:, 5], fixed=True)
+    fused = float(_fuse_head(list(runner.funcs)) is not None)
+    return replace(out, back_fixed=back[2], back_token=back[0], back_pair=back[1], kept_token=kept, fused_head=fused,
+                   ckpt_fixed=ckpt[2], ckpt_token=ckpt[0], ckpt_pair=ckpt[1])
+
+
+def _fit(x, y, fixed: bool):
+    """Non-negative least squares of y on the columns (l, l (c + l)) [+ 1 with ``fixed``], over every
+    subset of the columns (a handful): (token, pair[, fixed])."""
+    cols = np.column_stack([x, np.ones(len(x))]) if fixed else x
+    best, best_err = np.zeros(cols.shape[1]), np.inf
+    for mask in itertools.product((False, True), repeat=cols.shape[1]):
+        if not any(mask):
+            continue
+        coef = np.zeros(cols.shape[1])
+        coef[list(mask)] = np.linalg.lstsq(cols[:, list(mask)], y, rcond=None)[0]
+        err = float(np.sum((cols @ coef - y) ** 2))
+        if (coef >= 0).all() and err < best_err:
+            best, best_err = coef, err
+    if not np.isfinite(best_err):  # nothing fits non-negative: per token, the largest ratio
+        best = np.zeros(cols.shape[1])
+        best[0] = max(0.0, float(np.max(y / x[:, 0])))
+    return tuple(float(v) for v in best)
+
+
+def _forward(runner, ctx, kv, l, c, checkpointed: bool):
+    """One unit of ``runner``'s part: (output or summed loss, input). Checkpointed: every function
+    with parameters (what DeepSpeed's activation checkpointing wraps) runs inside a non-reentrant
+    checkpoint, and the LM head is the fused head loss where ``model.head_loss`` offers it."""
+    from torch.utils.checkpoint import checkpoint
+    funcs, labels = list(runner.funcs), None
+    if checkpointed:
+        labels = _fuse_head(funcs)
+    x = runner._input(1, l)
+    ctx.begin(kv, c, l)
+    if labels is not None:
+        labels.labels = torch.randint(0, 2, (1, l), device=runner.device)
+    out = x
+    for func in funcs:
+        has_params = isinstance(func, torch.nn.Module) and any(True for _ in func.parameters())
+        out = checkpoint(func, out, use_reentrant=False) if checkpointed and has_params else func(out)
+    if out.dim() > 0 and out.shape[-1] != runner.hidden:
+        labels = torch.randint(0, out.shape[-1], out.shape[:2], device=out.device)
+        out = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    return out, x
+
+
+def _fuse_head(funcs: list):
+    """The labels holder of the fused LM-head loss put in place of ``funcs``' head (None: no head,
+    or no fused path in this checkout)."""
+    try:
+        from ..model.head_loss import fuse_head_loss
+    except ImportError:
+        return None
+    return fuse_head_loss(funcs)
+
+
+def _backward_peak(runner, out) -> float | None:
+    """Run ``out``'s backward with the parameters' gradients already allocated (a training step has
+    them); the RSS peak above the start. Gradients are None again after."""
+    from ..memory import transient_peak
+    for p in runner.params:
+        p.grad = torch.zeros_like(p)
+    with transient_peak() as peak:
+        out.backward(None if out.dim() == 0 else torch.randn_like(out))
+    for p in runner.params:
+        p.grad = None
+    return peak["bytes"]
+
+
+def _plain_unit(runner, ctx, l, c):
+    """(bytes saved for backward outside K/V, K/V bytes per sequence token, backward peak above)."""
+    from ..memory import ActivationTracker
+    from ..model.slice_cache import SequenceKV
+    kv, tracker = SequenceKV(runner.seq_len), ActivationTracker(runner.params)
+    with tracker.track():
+        out, x = _forward(runner, ctx, kv, l, c, checkpointed=False)
+    buffers = [t for tensors in kv.layers.values() for t in tensors]
+    saved = tracker.live - tracker.bytes_of(buffers)
+    kv_token = sum(t.nbytes for t in buffers) / runner.seq_len
+    back = _backward_peak(runner, out)
+    del out, x, kv
+    return saved, kv_token, back
+
+
+def _checkpointed_unit(runner, ctx, l, c):
+    """(bytes a checkpointed unit keeps: RSS growth over its forward less K/V and output, plus its
+    input; the backward's peak above that). None, None without VmHWM."""
+    from ..memory import current_rss_mb, release_freed
+    from ..model.slice_cache import SequenceKV
+    kv = SequenceKV(runner.seq_len)
+    release_freed()
+    start = current_rss_mb()
+    out, x = _forward(runner, ctx, kv, l, c, checkpointed=True)
+    grown = (current_rss_mb() - start) * 2 ** 20
+    buffers = [t for tensors in kv.layers.values() for t in tensors]
+    kept = max(0.0, grown - sum(t.nbytes for t in buffers) - out.nbytes) + x.nbytes
+    back = _backward_peak(runner, out)
+    del out, x, kv
+    return (kept, back) if back is not None else (None, None)

@@ -25,6 +25,14 @@ from .predict import plan_schedules, predict_time, with_slices
 from .report import make_plan
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
+# a plan fits when its predicted peak is <= the limit x (1 - MARGIN): the memory model's residual
+# error (benchmarks/memory_fit.py: within +-10% of the measured RSS peaks above the baseline)
+MARGIN = 0.10
+
+
+def usable(limit_bytes: float) -> float:
+    """The bytes a plan's predicted peak may reach under ``limit_bytes``."""
+    return limit_bytes * (1.0 - MARGIN)
 
 
 class NoPlanFits(ConfigError):
@@ -65,11 +73,13 @@ def ckpt_choices(stages: int) -> list[tuple]:
     return [(False,) * stages, (True,) * stages]
 
 
-def memories(parts: dict, split, hidden_bytes: float, overhead: float = 0.0) -> list:
+def memories(parts: dict, split, hidden_bytes: float, overhead: float = 0.0, mask_pair: float = 0.0) -> list:
     """Each stage's StageMemory; ``overhead``: bytes every rank holds besides the model (measured
-    after profiling: the runtime's own buffers), added to each stage's static bytes."""
+    after profiling: the runtime's own buffers), added to each stage's static bytes; ``mask_pair``:
+    bytes per element of the slices' attention masks (``memory_model.mask_bytes``)."""
     last = len(split.names) - 1
-    mems = [stage_memory(parts, names, hidden_bytes, s == 0, s == last) for s, names in enumerate(split.names)]
+    mems = [stage_memory(parts, names, hidden_bytes, s == 0, s == last, mask_pair)
+            for s, names in enumerate(split.names)]
     return [replace(m, static=m.static + overhead) for m in mems]
 
 
@@ -86,7 +96,8 @@ def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int
                schedules=("gpipe", "1f1b"), split_weight_grads: bool = True, overhead: float = 0.0) -> list[Candidate]:
     """Every candidate (see the module docstring), fastest first; ``overhead`` as in ``memories``."""
     base = layers.pipeline_cost(split, latency, per_byte)
-    mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element, overhead)
+    mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element, overhead,
+                    layers.block.bytes_per_element)
     out = []
     for ckpt in ckpt_choices(stages):
         cost = with_ckpt(base, ckpt)
@@ -106,9 +117,10 @@ def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int
 
 
 def choose(cands: list[Candidate], limit_bytes: float, longest=None) -> Candidate:
-    """The fastest candidate whose every stage's peak is <= ``limit_bytes``; else ``NoPlanFits``.
-    ``longest``: a callable giving the longest sequence that fits the limit (for the message)."""
-    fitting = [c for c in cands if c.peak <= limit_bytes]
+    """The fastest candidate whose every stage's peak is <= ``usable(limit_bytes)``; else
+    ``NoPlanFits``. ``longest``: a callable giving the longest sequence that fits the limit (for the
+    message)."""
+    fitting = [c for c in cands if c.peak <= usable(limit_bytes)]
     if fitting:
         return fitting[0]
     least = min(cands, key=lambda c: c.peak)
@@ -119,15 +131,16 @@ def choose(cands: list[Candidate], limit_bytes: float, longest=None) -> Candidat
         hint = (f", or shorten terapipe.seq_len to <= {fits} tokens (the longest that fits "
                 f"{limit_bytes / GIB:.2f} GiB)") if fits else ", and no sequence length fits it"
     raise NoPlanFits(f"terapipe.memory_limit_gib: no plan fits {limit_bytes / GIB:.2f} GiB per rank at seq_len {seq}: "
-                     f"the least predicted peak is {least.peak / GIB:.2f} GiB ({describe(least)}); raise "
-                     f"memory_limit_gib to >= {np.ceil(least.peak / GIB * 100) / 100:.2f}{hint}")
+                     f"the least predicted peak is {least.peak / GIB:.2f} GiB ({describe(least)}), and plans keep "
+                     f"{MARGIN:.0%} of the limit as a margin for the memory model's error; raise memory_limit_gib "
+                     f"to >= {np.ceil(least.peak / (1 - MARGIN) / GIB * 100) / 100:.2f}{hint}")
 
 
 def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stages: int, microbatch_sizes,
-                    granularity: int = 8, overhead: float = 0.0):
+                    granularity: int = 8, overhead: float = 0.0, mask_pair: float = 0.0):
     """A function limit -> the longest sequence (a multiple of ``granularity``, <= seq_len) for which
-    some uniform plan fits (any order and checkpointing); 0 if none."""
-    mems = memories(parts, split, hidden_bytes, overhead)
+    some uniform plan fits the limit less MARGIN (any order and checkpointing); 0 if none."""
+    mems = memories(parts, split, hidden_bytes, overhead, mask_pair)
 
     def least_peak(length: int) -> float:
         counts = [n for n in COUNTS if n <= max(1, length // granularity)]
@@ -139,7 +152,7 @@ def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stage
         lo, hi = 0, seq_len // granularity
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if least_peak(mid * granularity) <= limit:
+            if least_peak(mid * granularity) <= usable(limit):
                 lo = mid
             else:
                 hi = mid - 1
@@ -156,12 +169,13 @@ def describe(c: Candidate) -> str:
 
 def table(cands: list[Candidate], chosen: Candidate, limit_bytes: float, rows: int = 6) -> str:
     """The chosen plan and the runners-up: predicted step beside predicted peak per stage."""
-    lines = [f"memory-aware plan (limit {limit_bytes / GIB:.2f} GiB per rank; peak = parameters, gradients, AdamW "
-             f"state, activations and K/V in flight, recompute):",
+    lines = [f"memory-aware plan (limit {limit_bytes / GIB:.2f} GiB per rank, plans must predict <= "
+             f"{usable(limit_bytes) / GIB:.2f} GiB: a {MARGIN:.0%} margin for the memory model's error; peak = "
+             f"parameters, gradients, AdamW state, activations and K/V in flight, attention masks, recompute):",
              f"{'':2}{'plan':<52}{'step s':>9}  peak GiB per stage"]
     shown = [chosen] + [c for c in cands if c is not chosen][:rows - 1]
     for c in shown:
-        mark = "->" if c is chosen else ("  " if c.peak <= limit_bytes else " x")
+        mark = "->" if c is chosen else ("  " if c.peak <= usable(limit_bytes) else " x")
         lines.append(f"{mark}{describe(c):<52}{c.predicted:>9.3f}  " + " / ".join(f"{p / GIB:.3f}" for p in c.peaks))
-    lines.append("(x: over the limit)")
+    lines.append("(x: over the limit less the margin)")
     return "\n".join(lines)
