@@ -6,7 +6,7 @@
 
 One pair of ranks (2 stages, batch 1, vocab 8192, 4 x 256, 1 thread each) runs every (length, plan)
 in turn. A plan SPEC is ``LABEL/ORDER/CKPT``, e.g. ``uniform:8/gpipe/00`` or ``DP/1f1b/10`` (CKPT: one
-0/1 per stage). Per run: glibc's free pages are given back, VmHWM is reset (``/proc/self/clear_refs``),
+0/1 per stage), or ``auto``: the planner's own choice under ``--limit_gib``. Per run: glibc's free pages are given back, VmHWM is reset (``/proc/self/clear_refs``),
 the RSS then is the baseline; the engine is built with ``"slices": "auto"`` and a large
 ``memory_limit_gib`` while ``memory_plan.choose`` is replaced by "the candidate named by SPEC", so
 the prediction is the planner's own (``engine.memory_budget``: overhead included). Recorded per
@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +32,11 @@ DEFAULT_PLANS = "uniform:8/gpipe/00,uniform:8/1f1b/00,uniform:8/gpipe/11,uniform
 
 
 def pick(spec: str):
-    """A ``memory_plan.choose`` replacement returning the candidate that ``spec`` names."""
+    """A ``memory_plan.choose`` replacement returning the candidate that ``spec`` names ("auto": the
+    planner's own choice under ``--limit_gib``)."""
+    if spec == "auto":
+        from tp_trainer.planner.memory_plan import choose
+        return choose
     label, order, ckpt = spec.split("/")
     flags = tuple(c == "1" for c in ckpt)
 
@@ -65,6 +70,24 @@ def _trace(engine, base_mb: float) -> list:
     return trace
 
 
+def rss_kinds() -> dict:
+    """RssAnon / RssFile / RssShmem of this process now, MiB (/proc/self/status)."""
+    out = {}
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for text in handle:
+            if text.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                out[text.split(":")[0]] = int(text.split()[1]) / 1024
+    return out
+
+
+def _chosen(engine) -> str:
+    """The plan report's chosen line (memory_plan.table's "->" row), or ""."""
+    for text in (engine.plan_report or "").splitlines():
+        if text.startswith("->"):
+            return " ".join(text[2:].split())
+    return ""
+
+
 def _tensors_held(top: int = 8) -> dict:
     """The tensors Python can reach after the steps (gc): total MiB and the largest storages."""
     import torch
@@ -95,33 +118,41 @@ def one_run(args, length: int, spec: str, work: str) -> dict:
     release_memory()
     reset_hwm()
     base = current_rss_mb()
+    kinds = {"base": rss_kinds()}
     try:
         cost = os.path.join(work, f"cost_{args.family}_{length}.json")
-        engine = cm.terapipe_engine(ns, "auto", cost, {"memory_limit_gib": 64.0,
+        limit = args.limit_gib if spec == "auto" else 64.0
+        engine = cm.terapipe_engine(ns, "auto", cost, {"memory_limit_gib": limit,
                                                       "granularity": max(8, length // 256)})
     finally:
         memory_plan.choose = original
     built = hwm_above(base)
+    kinds["built"] = rss_kinds()
     trace = _trace(engine, base)
     tracker = ActivationTracker(engine.module.parameters())
     engine.activation_tracker = tracker
-    steps, trimmed = [], []
+    steps, trimmed, seconds = [], [], []
     for step in range(args.steps):
         tdist.barrier()
         trace.clear()
+        began = time.perf_counter()
         engine.train_batch(iter(cm.batches(ns, step)))
+        seconds.append(time.perf_counter() - began)
         steps.append(hwm_above(base))
         gc.collect()
         trimmed.append(current_rss_mb() - base)
+    kinds["stepped"] = rss_kinds()
     budget = engine.memory_budget or {}
     held = _tensors_held()
     record = {"length": length, "plan": spec, "stage": engine.stage_id, "base_mb": base,
+              "limit_mb": budget.get("limit_mb"), "chosen": _chosen(engine),
               "predicted_mb": budget.get("predicted_mb"), "build_baseline_mb": budget.get("baseline_mb"),
               "built_mb": built, "step_hwm_mb": steps, "rss_after_step_mb": trimmed,
               "tracked_peak_mb": tracker.peak / MIB, "params_mb": sum(p.numel() * p.element_size()
                                                                       for p in engine.module.parameters()) / MIB,
               "load": os.getloadavg()[0], "trace": trace,
-              "held_after_mb": held}
+              "held_after_mb": held, "rss_kinds": kinds,
+              "step_s": seconds}
     del engine, tracker
     gc.collect()
     return record
@@ -176,6 +207,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--plans", default=DEFAULT_PLANS)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--limit_gib", type=float, default=0.25,
+                        help="plan \"auto\": the memory_limit_gib the planner chooses under")
     parser.add_argument("--budget", type=float, default=5.0, help="profile seconds per stage and length")
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--n_embd", type=int, default=256)
