@@ -143,7 +143,11 @@ def _prediction_line(run: dict) -> str:
         parts.append(f"stage {stage} {kinds}, its compute ends {sim['compute_end_s'][stage]:.3f}/"
                      f"{tl['compute_end_s'][stage]:.3f}")
     median = run["median_s"][C]
+    drift = ", ".join(f"stage {i} {sum(sim['busy_s'][str(i)].values()):.3f}/{p['together']:.3f}"
+                      for i, p in enumerate(run["probe"]) if str(i) in sim["busy_s"])
     return (f"prediction vs measurement (predicted/measured s, last run): {'; '.join(parts)}; "
+            f"the cost model's F+B+W of (c)'s units against the same units timed in this run (stage probe, "
+            f"together): {drift} (the profile's machine state against the run's); "
             f"step: predicted {sim['step_s']:.3f}, drawn step's instructions end {tl['end_s']:.3f} "
             f"(compute {tl['step_s']:.3f} + tail), its wall {tl['wall_s']:.3f} "
             f"(outside the instructions {tl['wall_s'] - tl['end_s']:+.3f}), timed steps' median {median:.3f} "
