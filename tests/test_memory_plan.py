@@ -96,3 +96,31 @@ def test_memory_limit_config_errors():
     with pytest.raises(ConfigError, match=r"memory_limit_gib: 4 needs \"slices\": \"auto\""):
         TeraPipeConfig(memory_limit_gib=4)
     assert TeraPipeConfig(slices="auto", memory_limit_gib="auto").memory_limit_gib == "auto"
+
+
+def test_measured_backward_peaks_fused_head_and_the_mask_cache():
+    from dataclasses import replace
+
+    from tp_trainer.model.layers import SliceContext
+    from tp_trainer.planner.memory_model import mask_bytes
+    block = replace(PARTS["block"], back_fixed=1.0 * MIB, back_token=100.0, kept_token=1024.0, ckpt_fixed=2.0 * MIB,
+                    ckpt_token=3000.0)
+    suffix = replace(PARTS["suffix"], back_fixed=0.0, back_token=5000.0, kept_token=2048.0, ckpt_fixed=0.0,
+                     ckpt_token=4000.0, fused_head=1.0)
+    parts = {"prefix": replace(PARTS["prefix"], back_fixed=0.0, kept_token=8.0, ckpt_fixed=0.0), "block": block,
+             "suffix": suffix}
+    last = stage_memory(parts, split().names[1], 1024.0, first=False, last=True, mask_pair=4.0)
+    # the unit's backward adds the largest measured part peak: the suffix's (plain) / the block's (checkpointed)
+    assert last.backward_extra(1, 256, 0, ckpt=False) == pytest.approx(5000.0 * 256)
+    assert last.backward_extra(1, 256, 0, ckpt=True) == pytest.approx(2.0 * MIB + 3000.0 * 256)
+    assert last.kept_token == pytest.approx(2 * 1024.0 + 2048.0) and last.output_token == 0.0
+    # the fused head computes its own W: checkpointed, only the blocks' inputs and output gradients wait
+    assert last.weight_token(True) == pytest.approx(16 * 2 * 1024.0)
+    assert last.weight_token(False) == pytest.approx(16 * 2 * 1024.0 + suffix.token)
+    # masks: every slice after the first, l x (c + l) x 4 bytes, kept per plan up to the cache's cap
+    small = plan_units(with_slices(64, 2, [1, 1], (16,) * 4))
+    assert mask_bytes(4.0, small) == (4.0 * 16 * (32 + 48 + 64), {})
+    big = plan_units(with_slices(8192, 2, [1], (1024,) * 8))
+    cached, uncached = mask_bytes(4.0, big)
+    assert cached <= SliceContext.PLAN_CACHE_MASK_BYTES and uncached
+    assert all(size == 4.0 * l * (c + l) for (l, c), size in uncached.items())
