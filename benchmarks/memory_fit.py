@@ -225,8 +225,25 @@ def main() -> None:
     settings = {**vars(ns), "lengths": [int(x) for x in ns.lengths.split(",")], "plans": ns.plans.split(","),
                 "work": ns.work or tempfile.mkdtemp(prefix="memory_fit_")}
     os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
-    print("| length | plan | stage 0 predicted / measured MiB | stage 1 | load |")
+    print(HEADER)
     launch(__file__, ns.stages, [json.dumps(settings)], timeout=3000)
+    write_table(ns.out)
+
+
+HEADER = ("| length | plan | stage 0 predicted / measured MiB | stage 1 | load |\n"
+          "|---|---|---|---|---|")
+
+
+def write_table(out: str) -> None:
+    """``out``.md: one row per (length, plan) from ``out``.json (measured: the largest step's VmHWM
+    above the baseline; built: after the build, profiling included; tracked: saved activations)."""
+    with open(out + ".json", encoding="utf-8") as handle:
+        records = json.load(handle)["records"]
+    groups = {}
+    for r in records:
+        groups.setdefault((r["length"], r["plan"]), []).append(r)
+    with open(out + ".md", "w", encoding="utf-8") as handle:
+        handle.write(HEADER + "\n" + "\n".join(line(rows) for rows in groups.values()) + "\n")
 
 
 if __name__ == "__main__":
