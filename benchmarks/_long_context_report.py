@@ -33,7 +33,9 @@ def merge(rank_results: list[dict]) -> dict:
     ranks = len(rank_results)
     rows = [{"length": length, "stages": sorted(records, key=lambda r: r["stage"])}
             for length, records in sorted(by_length.items()) if len(records) == ranks]
-    stops = sorted((r["stop"] for r in rank_results if r.get("stop")), key=lambda s: NO_PLAN not in s)
+    # the cause first: the planner's "no plan fits", then a watchdog's stop, before a peer's failure
+    stops = sorted((r["stop"] for r in rank_results if r.get("stop")),
+                   key=lambda s: (NO_PLAN not in s, "watchdog" not in s))
     return {"variant": rank_results[0]["variant"], "family": rank_results[0]["family"], "rows": rows,
             "stop": stops[0] if stops else "not finished"}
 
