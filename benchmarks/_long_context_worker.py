@@ -146,6 +146,9 @@ def _tracked(function, tracker):
     return tracked
 
 
+PENDING: dict = {}  # the length being measured: its plan and baseline (``measure``)
+
+
 def plan_of(engine) -> dict:
     """What the TeraPipe planner chose and predicted, where the engine exposes it: slices and order;
     with a memory limit (``engine.memory_budget``) this stage's predicted peak above the baseline,
@@ -196,6 +199,7 @@ def measure(variant, ns, args, work, warmup: int):
     began = time.perf_counter()
     engine = build(variant, ns, work, args.mem_cap_gib - base / GIB)
     build_s = time.perf_counter() - began
+    PENDING.update(plan=plan_of(engine), base_bytes=base)  # named by the watchdog if it trips
     tracker = ActivationTracker(engine.module.parameters())
     track_activations(engine, tracker)
     times, loss = [], None
@@ -257,7 +261,11 @@ def worker(args) -> None:
     def tripped(rss, free):
         reason = (f"RSS {rss / GIB:.2f} GiB passed the cap" if rss > cap
                   else f"the machine's available memory fell to {free / GIB:.2f} GiB")
-        save(f"watchdog at {current[0]} tokens: {reason}; rank stopped before an out-of-memory kill")
+        planned = PENDING.get("plan") or {}
+        detail = (f" (plan {planned.get('chosen')}: this stage predicted {planned['predicted_peak_gib']:.2f} GiB above "
+                  f"{PENDING['base_bytes'] / GIB:.2f} GiB before the build, limit {planned['limit_gib']:.2f})"
+                  if "predicted_peak_gib" in planned else "")
+        save(f"watchdog at {current[0]} tokens: {reason}{detail}; rank stopped before an out-of-memory kill")
 
     current = [None]
     Watchdog(cap, tripped).start()

@@ -140,6 +140,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS)."""
     rank, world = _dist()
+    if memory_limit is not None and world > 1:  # rank 0 plans for every rank: the tightest limit holds
+        memory_limit = _least_over_ranks(memory_limit)
     if memory_limit is not None:  # RSS then follows the bytes in use, as the memory model counts them
         from ..memory import lean_heap
         lean_heap()
@@ -165,6 +167,14 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if isinstance(result[0], Exception):
         raise NoPlanFits(str(result[0]))
     return result[0]
+
+
+def _least_over_ranks(limit_bytes: float) -> float:
+    """The smallest of the ranks' memory limits (collective): each rank counts its limit from its own
+    size before the model, and one plan must fit them all."""
+    everyone = [None] * _dist()[1]
+    tdist.all_gather_object(everyone, float(limit_bytes))
+    return float(min(everyone))
 
 
 def _overhead(baseline_mb: float | None) -> float:
