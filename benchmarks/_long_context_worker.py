@@ -52,8 +52,12 @@ def _proc_kib(path: str, key: str) -> int:
 
 
 def hwm_bytes() -> int:
-    """VmHWM: the process's peak resident memory since the last reset."""
-    return _proc_kib("/proc/self/status", "VmHWM")
+    """VmHWM: the process's peak resident memory since the last reset (``tp_trainer.memory.hwm_mb``)."""
+    from tp_trainer.memory import hwm_mb
+    mb = hwm_mb()
+    if not mb:
+        raise RuntimeError("no VmHWM in /proc/self/status")
+    return int(mb * 2 ** 20)
 
 
 def release_memory() -> None:
@@ -70,9 +74,10 @@ def available_bytes() -> int:
 
 
 def reset_hwm() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+    """Reset VmHWM to the current RSS (``tp_trainer.memory.reset_hwm``); a sweep cannot go on without."""
+    from tp_trainer.memory import reset_hwm as reset
+    if not reset():
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs, Linux >= 4.0)")
 
 
 def predict_peak(points: list[tuple[int, float, float]], length: int) -> float:
