@@ -140,10 +140,9 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS)."""
     rank, world = _dist()
-    if memory_limit is not None and world > 1:  # rank 0 plans for every rank: the tightest limit holds
-        memory_limit = _least_over_ranks(memory_limit)
-    if memory_limit is not None:  # RSS then follows the bytes in use, as the memory model counts them
-        from ..memory import lean_heap
+    if memory_limit is not None:
+        memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
+        from ..memory import lean_heap  # RSS then follows the bytes in use, as the memory model counts them
         lean_heap()
     if cost is not None:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
@@ -169,12 +168,20 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     return result[0]
 
 
+def _every_rank(value: float) -> list[float]:
+    """``value`` of every rank (collective where there are several ranks)."""
+    world = _dist()[1]
+    if world == 1:
+        return [float(value)]
+    everyone = [None] * world
+    tdist.all_gather_object(everyone, float(value))
+    return everyone
+
+
 def _least_over_ranks(limit_bytes: float) -> float:
     """The smallest of the ranks' memory limits (collective): each rank counts its limit from its own
     size before the model, and one plan must fit them all."""
-    everyone = [None] * _dist()[1]
-    tdist.all_gather_object(everyone, float(limit_bytes))
-    return float(min(everyone))
+    return float(min(_every_rank(limit_bytes)))
 
 
 def _overhead(baseline_mb: float | None) -> float:
@@ -186,12 +193,7 @@ def _overhead(baseline_mb: float | None) -> float:
     import gc
     gc.collect()  # the profile's probe models, left in reference cycles
     release_freed()
-    mine = [max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20]
-    if _dist()[1] > 1:
-        everyone = [None] * _dist()[1]
-        tdist.all_gather_object(everyone, mine[0])
-        mine = everyone
-    return float(max(mine))
+    return float(max(_every_rank(max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20)))
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device):

@@ -11,9 +11,8 @@ Measured per part (prefix, one block, suffix: ``layer_cost``'s probe), in ``meas
     kept_token bytes a checkpointed part keeps per token (its input; K/V excluded)
     ckpt_*     the peak of a checkpointed part's backward (its forward again + gradients) above
                what it kept: fixed + token l + pair l (c + l). The suffix, checkpointed, is measured
-               on the fused LM-head loss where ``model.head_loss`` provides it (what the engine runs
-               on a checkpointed last stage), the plain head + cross-entropy otherwise: the suffix's
-               plain and checkpointed terms are its two paths.
+               on the fused LM-head loss (``model.head_loss``, what the engine runs on a
+               checkpointed last stage): the suffix's plain and checkpointed terms are its two paths.
 Peaks are RSS high-water marks above the RSS before the backward, measured with ``memory.leaned``
 (freed memory goes back to the OS, so RSS follows the bytes in use); -1: not measured (a cost file
 from before), the older estimates are used then (backward: the unit's saved bytes again;
@@ -256,7 +255,7 @@ def _fit(x, y, fixed: bool):
 def _forward(runner, ctx, kv, l, c, checkpointed: bool):
     """One unit of ``runner``'s part: (output or summed loss, input). Checkpointed: every function
     with parameters (what DeepSpeed's activation checkpointing wraps) runs inside a non-reentrant
-    checkpoint, and the LM head is the fused head loss where ``model.head_loss`` offers it."""
+    checkpoint, and the LM head is the fused head loss (``model.head_loss``)."""
     from torch.utils.checkpoint import checkpoint
     funcs, labels = list(runner.funcs), None
     if checkpointed:
@@ -276,12 +275,8 @@ def _forward(runner, ctx, kv, l, c, checkpointed: bool):
 
 
 def _fuse_head(funcs: list):
-    """The labels holder of the fused LM-head loss put in place of ``funcs``' head (None: no head,
-    or no fused path in this checkout)."""
-    try:
-        from ..model.head_loss import fuse_head_loss
-    except ImportError:
-        return None
+    """The labels holder of the fused LM-head loss put in place of ``funcs``' head (None: no head)."""
+    from ..model.head_loss import fuse_head_loss
     return fuse_head_loss(funcs)
 
 
