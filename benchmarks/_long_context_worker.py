@@ -52,9 +52,10 @@ def _proc_kib(path: str, key: str) -> int:
 
 
 def hwm_bytes() -> int:
-    """VmHWM: the process's peak resident memory since the last reset (``tp_trainer.memory.hwm_mb``)."""
-    from tp_trainer.memory import hwm_mb
-    mb = hwm_mb()
+    """The process's peak resident memory since the last ``reset_hwm`` (``memory.window_peak_mb``:
+    the planner's own VmHWM resets inside do not hide it)."""
+    from tp_trainer.memory import window_peak_mb
+    mb = window_peak_mb()
     if not mb:
         raise RuntimeError("no VmHWM in /proc/self/status")
     return int(mb * 2 ** 20)
@@ -74,8 +75,9 @@ def available_bytes() -> int:
 
 
 def reset_hwm() -> None:
-    """Reset VmHWM to the current RSS (``tp_trainer.memory.reset_hwm``); a sweep cannot go on without."""
-    from tp_trainer.memory import reset_hwm as reset
+    """Start measuring the peak from the current RSS (``tp_trainer.memory.start_peak_window``); a sweep
+    cannot go on without."""
+    from tp_trainer.memory import start_peak_window as reset
     if not reset():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs, Linux >= 4.0)")
 
@@ -127,7 +129,9 @@ def build(variant: str, ns, work: str, limit_gib: float | None):
         return cm.stock_engine(ns)
     if variant == "a_ckpt":
         return cm.stock_engine(ns, activation_checkpoint=True)
-    cost = os.path.join(work, f"cost_{ns.family}_{ns.seq_len}.json")  # (e) reuses (c)'s profile
+    # (e) profiles on its own: with a memory limit the heap is leaned (``memory.lean_heap``), which
+    # slows every step (fresh pages), and its profile must see that to predict its step
+    cost = os.path.join(work, f"cost_{variant}_{ns.family}_{ns.seq_len}.json")
     more = {"granularity": max(8, ns.seq_len // 256)}
     if variant == "e":
         more["memory_limit_gib"] = round(limit_gib, 3)
@@ -191,9 +195,10 @@ def predict_step(points: list[tuple[int, float]], length: int) -> float:
     return max(fitted, 0.5 * guess)
 
 
-def measure(variant, ns, args, work, warmup: int):
-    """Build, train ``warmup + args.steps`` steps, drop the engine; this rank's record. (e)'s
-    memory limit is the cap minus the RSS before the build (the planner counts from there too)."""
+def measure(variant, ns, args, work, warmup: int, steps: int):
+    """Build, train ``warmup + steps`` steps, drop the engine; this rank's record. (e)'s memory limit
+    is the cap minus the RSS before the build (the planner counts from there too). Peaks: the build's
+    (the planner's profiling included) and the steps' (VmHWM reset after the build), each absolute."""
     import _compare_models as cm
     import torch.distributed as tdist
 
@@ -204,11 +209,13 @@ def measure(variant, ns, args, work, warmup: int):
     began = time.perf_counter()
     engine = build(variant, ns, work, args.mem_cap_gib - base / GIB)
     build_s = time.perf_counter() - began
+    build_peak = hwm_bytes()
+    reset_hwm()
     PENDING.update(plan=plan_of(engine), base_bytes=base)  # named by the watchdog if it trips
     tracker = ActivationTracker(engine.module.parameters())
     track_activations(engine, tracker)
     times, loss = [], None
-    for step in range(warmup + args.steps):
+    for step in range(warmup + steps):
         data = cm.batches(ns, step)
         tdist.barrier()
         start = time.perf_counter()
@@ -216,7 +223,9 @@ def measure(variant, ns, args, work, warmup: int):
         elapsed = time.perf_counter() - start
         if step >= warmup:
             times.append(elapsed)
-    record = {"length": ns.seq_len, "stage": engine.stage_id, "base_bytes": base, "peak_bytes": hwm_bytes(),
+    steps_peak = hwm_bytes()
+    record = {"length": ns.seq_len, "stage": engine.stage_id, "base_bytes": base,
+              "peak_bytes": max(build_peak, steps_peak), "build_peak_bytes": build_peak, "steps_peak_bytes": steps_peak,
               "activations_bytes": tracker.peak, "step_s": times, "build_s": build_s, "loss": loss,
               "plan": plan_of(engine), "load": os.getloadavg()[0], "warmup": warmup}
     del engine, tracker
@@ -297,12 +306,14 @@ def worker(args) -> None:
             save(f"time limit: predicted step {slow:.0f} s at {length} tokens > --max_step_s {args.max_step_s:g}")
             say(result["stop"])
             break
-        # a warm-up step only where steps are short: beside a long step its first-step overhead is small
-        warmup = args.warmup if not steps or steps[-1][1] < args.warmup_below_s else 0
+        # a warm-up step and more timed steps only where steps are short: beside a long step its
+        # first-step overhead and its step-to-step spread are small
+        short = not steps or steps[-1][1] < args.warmup_below_s
+        warmup, timed = (args.warmup, args.steps) if short else (0, args.steps_long)
         ns = SimpleNamespace(**{**vars(args), "seq_len": length})
         current[0] = length
         try:
-            record = measure(args.variant, ns, args, args.work, warmup)
+            record = measure(args.variant, ns, args, args.work, warmup, timed)
         except BaseException as err:  # (e)'s "no plan fits" and the like: keep what ran, stop the pair
             stop = f"{type(err).__name__}: {' '.join(str(err).split())[:400]}"
             save(stop)

@@ -1,8 +1,8 @@
 """Memory and speed against sequence length: DeepSpeed's pipeline vs TeraPipe (issue 12, section 1).
 
     python benchmarks/long_context.py [--quick] [--models llama,gpt2] [--variants a,a_ckpt,c,e]
-                                      [--mem_cap_gib 2] [--start 2048] [--max_len 65536] [--steps 1]
-                                      [--warmup 1] [--budget 10] [--max_step_s 90]
+                                      [--mem_cap_gib 2] [--start 2048] [--max_len 65536] [--steps 3]
+                                      [--steps_long 1] [--warmup 1] [--budget 10] [--max_step_s 90]
                                       [--out benchmarks/results/long_context]
 
 Models (same seeded weights and random tokens in every variant, dropout 0, batch 1, 2 stages, 1
@@ -15,6 +15,8 @@ Variants:
   (c)  TeraPipe, "slices": "auto" (profile + DP), gpipe order;
   (e)  TeraPipe, "slices": "auto" with "memory_limit_gib" = the cap minus the rank's RSS before the
        model is built: the planner's memory-aware choice. Runs only where TeraPipeConfig has that key.
+       It profiles on its own (not with (c)'s cost file): with a limit the heap is leaned, which
+       changes every step's time, and its peak includes its own profiling.
 Sequence lengths double from ``--start``; every variant runs in its own pair of ranks, length after
 length, and stops before a length whose predicted peak RSS (any stage; fitted a + b L + c L^2 on
 the lengths measured, +10%) passes ``--mem_cap_gib`` per rank (not (e): its planner re-plans at
@@ -97,10 +99,13 @@ def parse_args(argv=None):
                         help="peak RSS cap per rank (GiB); 2 keeps the default run under 15 min on 2 CPU cores")
     parser.add_argument("--start", type=int, default=2048, help="first sequence length (then doubling)")
     parser.add_argument("--max_len", type=int, default=65536, help="longest sequence length tried")
-    parser.add_argument("--steps", type=int, default=1, help="timed steps per length")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps per length while steps are short (see --warmup_below_s); the median counts")
+    parser.add_argument("--steps_long", type=int, default=1, help="timed steps per length once steps are long")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per length (memory counts them)")
     parser.add_argument("--warmup_below_s", type=float, default=5.0,
-                        help="warm-up steps only while the previous length's step took less than this")
+                        help="warm-up steps and --steps timed steps only while the previous length's step took "
+                             "less than this (then no warm-up and --steps_long)")
     parser.add_argument("--max_step_s", type=float, default=90.0,
                         help="stop a variant before a length whose predicted step exceeds this (a time limit, "
                              "reported as such: the longest length under the cap is then a lower bound)")
@@ -118,7 +123,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.mem_cap_gib, args.start, args.max_len = args.models or "llama", 3.0, 256, 512
-        args.budget, args.warmup, args.steps = 2.0, 1, 1
+        args.budget, args.warmup, args.steps, args.steps_long = 2.0, 1, 1, 1
     args.models = args.models or "llama,gpt2"
     return args
 
@@ -144,7 +149,8 @@ def main(argv=None) -> int:
                         for family, results in all_results.items()}}
     header = (f"# Long context: memory and speed against sequence length\n\n"
               f"2 stages, batch {args.batch}, vocabulary {args.vocab_size}, cap {args.mem_cap_gib:g} GiB peak RSS "
-              f"per rank, {args.warmup} warm-up + {args.steps} timed step(s) per length, 1 thread per rank; "
+              f"per rank, {args.warmup} warm-up + {args.steps} timed step(s) per length while a step takes < "
+              f"{args.warmup_below_s:g} s, then {args.steps_long} and no warm-up (step: the median), 1 thread per rank; "
               f"load average (1 min) {min(load):.1f}-{max(load):.1f}; {report['seconds'] / 60:.1f} min.\n")
     text = header + "\n\n".join(table(MODELS[f], r, args.batch, args.mem_cap_gib) for f, r in all_results.items())
     write_results(args.out, report, text)

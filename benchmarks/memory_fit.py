@@ -10,7 +10,7 @@ in turn. A plan SPEC is ``LABEL/ORDER/CKPT``, e.g. ``uniform:8/gpipe/00`` or ``D
 the RSS then is the baseline; the engine is built with ``"slices": "auto"`` and a large
 ``memory_limit_gib`` while ``memory_plan.choose`` is replaced by "the candidate named by SPEC", so
 the prediction is the planner's own (``engine.memory_budget``: overhead included). Recorded per
-stage: predicted peak, the measured VmHWM above the baseline after the build and after each step,
+stage: predicted peak, the measured VmHWM above the baseline after the build (reset again then) and after each step,
 the ActivationTracker's peak (saved tensors, outside checkpoints) and the load average.
 """
 
@@ -127,6 +127,7 @@ def one_run(args, length: int, spec: str, work: str) -> dict:
     finally:
         memory_plan.choose = original
     built = hwm_above(base)
+    reset_hwm()  # the steps' peaks from here (the build's, profiling included, is ``built``)
     kinds["built"] = rss_kinds()
     trace = _trace(engine, base)
     tracker = ActivationTracker(engine.module.parameters())

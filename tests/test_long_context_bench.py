@@ -90,3 +90,19 @@ def test_table_and_predictions():
     text = report.table("Llama", results, 1, 2.0)
     assert "| (e) | 4096 | 0.38 / 0.38 |" in text and "checkpointing on stage 0" in text
     assert "- (e) TeraPipe, memory-aware plan: 4096 tokens (stopped: predicted peak" in text
+
+
+def test_training_peak_is_predicted_and_the_whole_run_stays_under_the_limit():
+    """The prediction is judged on the steps' peak (VmHWM reset after the build); the whole run's
+    peak, the planner's profiling included, against the limit it was given."""
+    results = {"e": _result("e", [2048], CAP)}
+    stages = results["e"]["rows"][0]["stages"]
+    for stage in stages:
+        stage.update(steps_peak_bytes=0.5 * GIB, peak_bytes=0.9 * GIB,
+                     plan={"predicted_peak_gib": 0.52, "limit_gib": 1.0, "predicted_step_s": 0.2})
+    goals = {name: met for name, met, _ in report.goals(results, batch=1)}
+    assert goals["(e) predicted peak memory within 10%"] is True       # 0.52 vs the steps' 0.5
+    assert goals["(e) peak RSS above the baseline (profiling included) <= memory_limit_gib"] is True
+    stages[1]["peak_bytes"] = 1.2 * GIB
+    goals = {name: met for name, met, _ in report.goals(results, batch=1)}
+    assert goals["(e) peak RSS above the baseline (profiling included) <= memory_limit_gib"] is False

@@ -1,5 +1,6 @@
 """The activation tracker counts what autograd saves, once per storage, and sees it freed."""
 
+import pytest
 import torch
 
 from tp_trainer.memory import ActivationTracker, memory_report
@@ -23,3 +24,19 @@ def test_report_names_the_figures():
     tracker = ActivationTracker()
     line = memory_report("cpu", tracker)
     assert line.startswith("peak rss ") and "peak saved activations 0.0 MiB" in line
+
+
+def test_peak_window_survives_inner_resets():
+    """An inner VmHWM reset (``transient_peak``, the planner's profile) does not hide the peak of the
+    window around it (the benchmarks' build peak)."""
+    from tp_trainer.memory import start_peak_window, transient_peak, window_peak_mb
+    if not start_peak_window():
+        pytest.skip("VmHWM cannot be reset here")
+    from tp_trainer.memory import current_rss_mb
+    before = current_rss_mb()
+    big = torch.ones(64 * 2 ** 20 // 4)   # 64 MiB touched, then freed
+    assert float(big[0]) == 1.0
+    del big
+    with transient_peak():
+        pass
+    assert window_peak_mb() - before > 48

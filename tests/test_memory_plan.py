@@ -1,5 +1,7 @@
 """The memory model and the memory-aware plan choice (pure: synthetic costs, no profiling)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -99,8 +101,6 @@ def test_memory_limit_config_errors():
 
 
 def test_measured_backward_peaks_fused_head_and_the_mask_cache():
-    from dataclasses import replace
-
     from tp_trainer.model.layers import SliceContext
     from tp_trainer.planner.memory_model import mask_bytes
     block = replace(PARTS["block"], back_fixed=1.0 * MIB, back_token=100.0, kept_token=1024.0, ckpt_fixed=2.0 * MIB,
@@ -124,3 +124,37 @@ def test_measured_backward_peaks_fused_head_and_the_mask_cache():
     cached, uncached = mask_bytes(4.0, big)
     assert cached <= SliceContext.PLAN_CACHE_MASK_BYTES and uncached
     assert all(size == 4.0 * l * (c + l) for (l, c), size in uncached.items())
+
+
+def test_profile_points_stay_under_the_share_of_the_limit():
+    """Under a memory limit the profile skips the grid points whose predicted footprint passes
+    PROFILE_SHARE of it (the profile must not be the run's peak), keeping the smallest few at least."""
+    from tp_trainer.planner.profile import grid, within
+    part = replace(PARTS["block"], back_fixed=MIB, back_token=16 * 1024.0, back_pair=0.0)
+    seq = 4096
+    # saved 28 KiB + backward 16 KiB a token, K/V 4 KiB x seq, 1 MiB fixed
+    assert part.unit_bytes(1, 1024, 0, seq) == 1024 * 28 * 1024 + seq * 4096 + MIB + 1024 * 16 * 1024
+    points = grid(seq, (1,), 64)
+    limit = 0.5 * GIB
+    kept = within(points, lambda b, l, c: part.unit_bytes(b, l, c, seq), memory_plan.PROFILE_SHARE * limit, 9)
+    longest = max(l for _, l, _ in kept)
+    assert 64 <= longest < seq and len(kept) < len(points)
+    assert all(part.unit_bytes(b, l, c, seq) <= memory_plan.PROFILE_SHARE * limit for b, l, c in kept)
+    assert within(points, None, None, 9) == points  # no limit: every point
+    few = within(points, lambda b, l, c: part.unit_bytes(b, l, c, seq), 1.0, 9)  # nothing fits: the 9 smallest
+    assert len(few) == 9 and max(l for _, l, _ in few) <= 128
+
+
+def test_footprint_guard_scales_by_what_it_measured():
+    """The profile's guard: a point runs while prediction x (largest measured / predicted so far)
+    stays under the bound; a point that took 8x its prediction makes the longer ones skip."""
+    import torch
+
+    from tp_trainer.planner.profile import Footprint
+    guard = Footprint(lambda b, l, c: l * 1024.0, max_bytes=64 * MIB)   # 1 KiB a token predicted
+    assert guard.allows(1, 32 * 1024, 0)                                  # 32 MiB predicted
+    with guard.watch(1, 1024, 0):                                         # predicted 1 MiB, takes 8
+        held = torch.ones(2 * MIB)
+        assert float(held[-1]) == 1.0
+    assert guard.scale > 4, guard.scale
+    assert not guard.allows(1, 32 * 1024, 0) and guard.allows(1, 1024, 0)

@@ -139,12 +139,30 @@ def reset_hwm() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0: /proc/self/clear_refs); the peak so far is kept
     for ``peak_rss_mb``. False where it cannot."""
     _EARLIER_PEAK_MB[0] = max(_EARLIER_PEAK_MB[0], hwm_mb())
+    _WINDOW_PEAK_MB[0] = max(_WINDOW_PEAK_MB[0], hwm_mb())
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")
     except OSError:
         return False
     return hwm_mb() > 0
+
+
+_WINDOW_PEAK_MB = [0.0]  # the highest VmHWM that resets folded in since ``start_peak_window``
+
+
+def start_peak_window() -> bool:
+    """Measure the process's peak from now on (VmHWM reset); ``window_peak_mb`` reads it. The
+    ``reset_hwm`` calls inside (``transient_peak``, the planner's profile) fold their VmHWM in first,
+    so they do not hide the window's peak. False where VmHWM cannot be reset."""
+    ok = reset_hwm()
+    _WINDOW_PEAK_MB[0] = hwm_mb()
+    return ok
+
+
+def window_peak_mb() -> float:
+    """Peak RSS (MiB) since ``start_peak_window`` (since the process began, without one)."""
+    return max(_WINDOW_PEAK_MB[0], hwm_mb())
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from .cost_model import PipelineCost
 from .dp import PlannedBatch
 from . import memory_plan
 from .layer_cost import LayerCosts, Layout, describe_layout, measure_layers, plan_layout
+from .memory_model import GIB
 from .memory_plan import NoPlanFits
 from .profile import profile_stage, stage_functions, time_copy
 from .report import make_plan, report
@@ -148,14 +149,16 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
                                            cost.p2p_per_byte, cost.meta)
     else:
+        unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
-                                                   time_budget_s, device)
+                                                   time_budget_s, device, unit_limit)
     overhead = _overhead(baseline_mb) if memory_limit is not None else 0.0
+    profiled = _profile_peaks(baseline_mb) if memory_limit is not None else None
     result = [None]
     if rank == 0:
         try:
             result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
-                            latency, per_byte, meta, memory_limit, overhead)]
+                            latency, per_byte, meta, memory_limit, overhead, profiled)]
         except NoPlanFits as err:
             result = [err]
         layout = result[0][0] if isinstance(result[0], tuple) else None
@@ -196,11 +199,21 @@ def _overhead(baseline_mb: float | None) -> float:
     return float(max(_every_rank(max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20)))
 
 
-def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device):
-    """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta)."""
+def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
+    """Every rank's peak RSS so far above ``baseline_mb``, in bytes (collective): what profiling took."""
+    from ..memory import hwm_mb, window_peak_mb
+    if baseline_mb is None or hwm_mb() <= 0:
+        return None
+    return _every_rank(max(0.0, window_peak_mb() - baseline_mb) * 2 ** 20)
+
+
+def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None):
+    """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
+    ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = _dist()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
-    mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world)
+    mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
+                                          unit_limit)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -215,8 +228,9 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
 
 
 def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule, latency, per_byte,
-          meta, memory_limit, overhead: float = 0.0) -> tuple[Layout, str]:
-    """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text."""
+          meta, memory_limit, overhead: float = 0.0, profiled=None) -> tuple[Layout, str]:
+    """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text;
+    ``profiled``: each rank's peak while profiling (bytes above its size before the model), reported."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
                          per_byte, meta)
@@ -240,6 +254,10 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
         text.append(memory_plan.table(cands, best, memory_limit))
         text.append(f"(each peak includes {overhead / 2 ** 20:.0f} MiB the ranks held above their size before the "
                     f"model once profiling was done)")
+        if profiled:
+            text.append(f"profiling peaked at {' / '.join(f'{p / GIB:.3f}' for p in profiled)} GiB per rank above "
+                        f"its size before the model (its slices were kept to <= {memory_plan.PROFILE_SHARE:.0%} of "
+                        f"the limit a unit)")
         schedule = best.schedule
     text.append(report(layout.plan, layout.cost, stages, schedule, time.perf_counter() - start))
     return layout, "\n".join(text)

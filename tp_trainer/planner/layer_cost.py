@@ -215,9 +215,11 @@ def probe_parts(config, device="cpu", dtype=torch.float32):
 
 
 def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time_budget_s: float = 60.0,
-                   device="cpu", rank: int = 0, world: int = 1) -> tuple[dict, tuple, tuple]:
+                   device="cpu", rank: int = 0, world: int = 1,
+                   max_unit_bytes: float | None = None) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
-    PartMemory)}, prefix names, suffix names)."""
+    PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
+    with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``)."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device)
@@ -225,8 +227,11 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     out, start = {}, time.perf_counter()
     for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
         budget = (time_budget_s - (time.perf_counter() - start)) / (len(mine) - k)
+        memory = measure_part(parts[name], ctx, config.hidden_size, seq_len)
         cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
-                             max(budget, 0.0), desc=f"profile {name} (rank {rank})")
-        out[name] = (cost, measure_part(parts[name], ctx, config.hidden_size, seq_len))
+                             max(budget, 0.0), desc=f"profile {name} (rank {rank})",
+                             footprint=lambda b, l, c: memory.unit_bytes(b, l, c, seq_len),
+                             max_bytes=max_unit_bytes)
+        out[name] = (cost, memory)
     busy_until_all_done(mlp_filler(config.hidden_size))  # the parts measured with every rank computing, as in the step
     return out, tuple(adapter.PREFIX), tuple(adapter.SUFFIX)

@@ -46,6 +46,9 @@ import torch
 from ..schedule import BackwardSlice, ForwardSlice, WeightGrad
 
 GIB = 2 ** 30
+# the longest slice ``measure_part`` runs is 2 x this: the fits are linear in l and l (c + l), and a
+# longer one would make the measurement the run's peak (a suffix of vocab V saves ~3 V floats a token)
+POINT_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,13 @@ class PartMemory:
         fixed, token, pair = ((self.ckpt_fixed, self.ckpt_token, self.ckpt_pair) if ckpt
                               else (self.back_fixed, self.back_token, self.back_pair))
         return None if fixed < 0 else fixed + b * (token * l + pair * l * (c + l))
+
+    def unit_bytes(self, b, l, c, seq_len: int) -> float:
+        """Predicted peak bytes of one plain unit of this part alone (the profile's footprint at the
+        point (b, l, c)): what its forward saves, the sequence's K/V and its backward's peak above that."""
+        saved = b * (self.token * l + self.pair * l * (c + l))
+        back = self.transient(b, l, c, ckpt=False)
+        return saved + b * seq_len * self.kv + (saved if back is None else back)
 
 
 @dataclass(frozen=True)
@@ -121,14 +131,14 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
         kept = sum(p.kept_token for p in held)
     else:
         kept = blocks * hidden_bytes + sum(p.token for p in ends)
+    w_blocks = 16.0 * blocks * hidden_bytes  # the blocks' linear inputs and output gradients, a token
+    w_head = parts["suffix"].token if last else 0.0  # the logits' gradient (the fused head loss: none)
     return StageMemory(static=4.0 * sum(p.params for p in held), token=sum(p.token for p in held),
                        pair=sum(p.pair for p in held), kv=sum(p.kv for p in held),
                        block_token=parts["block"].token, block_pair=parts["block"].pair,
                        kept_token=kept, input_token=0.0 if first else hidden_bytes,
-                       w_token=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last else 0.0),
-                       held=tuple({id(p): p for p in held}.values()),
-                       w_token_ckpt=16.0 * blocks * hidden_bytes + (parts["suffix"].token if last and not
-                                                                    parts["suffix"].fused_head else 0.0),
+                       w_token=w_blocks + w_head, held=tuple({id(p): p for p in held}.values()),
+                       w_token_ckpt=w_blocks + (0.0 if parts["suffix"].fused_head else w_head),
                        output_token=0.0 if last else hidden_bytes, mask_pair=mask_pair)
 
 
@@ -201,14 +211,14 @@ def plan_units(plan) -> dict:
 # ------------------------------------------------------------------------------------ measuring
 
 def measure_part(funcs, ctx, hidden: int, seq_len: int, points=None) -> PartMemory:
-    """The part's PartMemory: over (l, c) points, bytes its forward saves (fitted token l + pair
+    """The part's PartMemory: over (l, c) points (slices of at most 2 x POINT_TOKENS), bytes its forward saves (fitted token l + pair
     l (c + l)), its backward's peak above that, what it keeps checkpointed and that backward's peak
     (fixed + token l + pair l (c + l)); K/V bytes per sequence token; parameter bytes. RSS peaks are
     taken with the heap leaned (``memory.leaned``). Leaves no gradients behind, restores the RNG."""
     from ..memory import leaned
     from .profile import StageRunner
     runner = StageRunner(funcs, ctx, hidden, seq_len)
-    quarter = max(1, seq_len // 4)
+    quarter = max(1, min(seq_len // 4, POINT_TOKENS))
     points = points or [(max(1, quarter // 2), 0), (quarter, 0), (quarter, seq_len - quarter),
                         (2 * quarter, seq_len - 2 * quarter)]
     rows = []

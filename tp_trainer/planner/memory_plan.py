@@ -28,6 +28,9 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 # a plan fits when its predicted peak is <= the limit x (1 - MARGIN): the memory model's residual
 # error (benchmarks/memory_fit.py: within +-10% of the measured RSS peaks above the baseline)
 MARGIN = 0.10
+# the profile's slices under a limit: one part's unit may take at most this share of it, so the planner's
+# own measuring stays below the plans it allows (the longer slices are priced by the fit)
+PROFILE_SHARE = 0.25
 
 
 def usable(limit_bytes: float) -> float:

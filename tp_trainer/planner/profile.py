@@ -16,6 +16,7 @@ so when ``time_budget_s`` runs out the measured points still cover the grid.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -125,29 +126,74 @@ def grid(seq_len: int, batch_sizes, granularity: int = 8, seed: int = 0) -> list
     return [points[i] for i in order]
 
 
+class Footprint:
+    """The profile's memory guard under a limit: a point runs while its predicted bytes, scaled by the
+    largest measured / predicted ratio of the points run so far, stay <= ``max_bytes`` (the memory
+    model, fitted on short slices, misses what a long slice's profile run holds besides its unit)."""
+
+    def __init__(self, predict, max_bytes: float):
+        self.predict, self.max_bytes, self.scale = predict, max_bytes, 1.0
+
+    def allows(self, b: int, l: int, c: int) -> bool:
+        return self.predict(b, l, c) * self.scale <= self.max_bytes
+
+    @contextlib.contextmanager
+    def watch(self, b: int, l: int, c: int):
+        """Measures the block's RSS peak (``memory.transient_peak``) and updates the scale."""
+        from ..memory import transient_peak
+        with transient_peak() as peak:
+            yield
+        if peak["bytes"]:
+            self.scale = max(self.scale, peak["bytes"] / max(self.predict(b, l, c), 1.0))
+
+
+def within(points: list, footprint, max_bytes: float | None, least: int) -> list:
+    """``points`` whose ``footprint(b, l, c)`` is <= ``max_bytes`` (in their order), or the ``least``
+    smallest where fewer fit; all of them without a footprint or a bound."""
+    if footprint is None or max_bytes is None:
+        return points
+    size = {p: footprint(*p) for p in points}
+    kept = [p for p in points if size[p] <= max_bytes]
+    if len(kept) >= least:
+        return kept
+    smallest = set(sorted(points, key=size.get)[:least])
+    return [p for p in points if p in smallest]
+
+
 def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_sizes=(1,),
                   granularity: int = 8, time_budget_s: float = 60.0, warmup: int = 1, repeats: int = 3,
-                  progress: bool = True, desc: str = "profile") -> StageCost:
+                  progress: bool = True, desc: str = "profile", footprint=None,
+                  max_bytes: float | None = None) -> StageCost:
     """Measure a stage's layers over the grid and fit its ``StageCost``.
 
     Leaves the layers as found: gradients that were None are reset, the RNG state is restored.
     Stops taking new points after ``time_budget_s`` (at least len(FEATURES) + 3 points are taken).
+    ``footprint(b, l, c)`` (predicted bytes of a point) with ``max_bytes``: the points over it are
+    skipped (a memory limit: the profile must not be the run's peak), keeping the len(FEATURES) + 3
+    smallest at least, and the prediction is scaled by the points measured so far (``Footprint``);
+    the fit prices the longer slices from the shorter ones.
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
     runner.weight_grads = DeferredWeightGrads()  # backward timed as B + W, W also alone (6th column)
     deferred = defer_stage(runner.funcs, runner.weight_grads)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     rng_state = torch.random.get_rng_state()
-    points = grid(seq_len, batch_sizes, granularity)
+    least = len(FEATURES) + 3
+    points = within(grid(seq_len, batch_sizes, granularity), footprint, max_bytes, least)
+    guard = Footprint(footprint, max_bytes) if footprint is not None and max_bytes is not None else None
     rows, start = [], time.perf_counter()
     bar = _progress(len(points), desc, progress)
     try:
-        for b, l, c in points:
-            if time.perf_counter() - start > time_budget_s and len(rows) >= len(FEATURES) + 3:
+        for k, (b, l, c) in enumerate(points):
+            if time.perf_counter() - start > time_budget_s and len(rows) >= least:
                 break
-            for _ in range(warmup):
-                runner.run(b, l, c)
-            runs = [(*runner.run(b, l, c), runner.last_weight_s) for _ in range(repeats)]
+            if guard is not None and not guard.allows(b, l, c) and \
+                    len(rows) + sum(guard.allows(*p) for p in points[k + 1:]) >= least:
+                continue
+            with guard.watch(b, l, c) if guard is not None else contextlib.nullcontext():
+                for _ in range(warmup):
+                    runner.run(b, l, c)
+                runs = [(*runner.run(b, l, c), runner.last_weight_s) for _ in range(repeats)]
             rows.append([b, l, c, *(statistics.median(r[k] for r in runs) for k in range(3))])
             bar.update(1)
         step = time_step(runner.params)
