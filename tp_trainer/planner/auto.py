@@ -256,8 +256,8 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
                     f"model once profiling was done)")
         if profiled:
             text.append(f"profiling peaked at {' / '.join(f'{p / GIB:.3f}' for p in profiled)} GiB per rank above "
-                        f"its size before the model (its slices were kept to <= {memory_plan.PROFILE_SHARE:.0%} of "
-                        f"the limit a unit)")
+                        f"its size before the model (it skipped the slices it predicted above "
+                        f"{memory_plan.PROFILE_SHARE:.0%} of the limit)")
         schedule = best.schedule
     text.append(report(layout.plan, layout.cost, stages, schedule, time.perf_counter() - start))
     return layout, "\n".join(text)
