@@ -76,6 +76,7 @@ class _Saved:
 
 
 _EARLIER_PEAK_MB = [0.0]   # the high-water mark before the last ``reset_hwm`` (peak_rss_mb keeps it)
+_WINDOW_PEAK_MB = [0.0]    # the highest VmHWM that resets folded in since ``start_peak_window``
 LEAN_MMAP_BYTES = 16 * 2 ** 10
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters
 
@@ -138,17 +139,15 @@ def hwm_mb() -> float:
 def reset_hwm() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0: /proc/self/clear_refs); the peak so far is kept
     for ``peak_rss_mb``. False where it cannot."""
-    _EARLIER_PEAK_MB[0] = max(_EARLIER_PEAK_MB[0], hwm_mb())
-    _WINDOW_PEAK_MB[0] = max(_WINDOW_PEAK_MB[0], hwm_mb())
+    before = hwm_mb()
+    _EARLIER_PEAK_MB[0] = max(_EARLIER_PEAK_MB[0], before)
+    _WINDOW_PEAK_MB[0] = max(_WINDOW_PEAK_MB[0], before)
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
             handle.write("5")
     except OSError:
         return False
     return hwm_mb() > 0
-
-
-_WINDOW_PEAK_MB = [0.0]  # the highest VmHWM that resets folded in since ``start_peak_window``
 
 
 def start_peak_window() -> bool:

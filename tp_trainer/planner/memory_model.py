@@ -211,10 +211,11 @@ def plan_units(plan) -> dict:
 # ------------------------------------------------------------------------------------ measuring
 
 def measure_part(funcs, ctx, hidden: int, seq_len: int, points=None) -> PartMemory:
-    """The part's PartMemory: over (l, c) points (slices of at most 2 x POINT_TOKENS), bytes its forward saves (fitted token l + pair
-    l (c + l)), its backward's peak above that, what it keeps checkpointed and that backward's peak
-    (fixed + token l + pair l (c + l)); K/V bytes per sequence token; parameter bytes. RSS peaks are
-    taken with the heap leaned (``memory.leaned``). Leaves no gradients behind, restores the RNG."""
+    """The part's PartMemory: over (l, c) points (slices of at most 2 x POINT_TOKENS), bytes its
+    forward saves (fitted token l + pair l (c + l)), its backward's peak above that, what it keeps
+    checkpointed and that backward's peak (fixed + token l + pair l (c + l)); K/V bytes per sequence
+    token; parameter bytes. RSS peaks are taken with the heap leaned (``memory.leaned``). Leaves no
+    gradients behind, restores the RNG."""
     from ..memory import leaned
     from .profile import StageRunner
     runner = StageRunner(funcs, ctx, hidden, seq_len)

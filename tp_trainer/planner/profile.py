@@ -184,12 +184,12 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     rows, start = [], time.perf_counter()
     bar = _progress(len(points), desc, progress)
     try:
-        for k, (b, l, c) in enumerate(points):
+        for index, (b, l, c) in enumerate(points):
             if time.perf_counter() - start > time_budget_s and len(rows) >= least:
                 break
             if guard is not None and not guard.allows(b, l, c) and \
-                    len(rows) + sum(guard.allows(*p) for p in points[k + 1:]) >= least:
-                continue
+                    len(rows) + sum(guard.allows(*p) for p in points[index + 1:]) >= least:
+                continue  # over the guard, and enough later points remain to fit on
             with guard.watch(b, l, c) if guard is not None else contextlib.nullcontext():
                 for _ in range(warmup):
                     runner.run(b, l, c)
