@@ -43,14 +43,24 @@ def cases(world: int) -> list[dict]:
         out += [_case(stages, 3, "uneven", True, schedule, ckpt=True) for schedule in ("gpipe", "1f1b")]
         out.append(_case(stages, 3, "uneven", False, "gpipe", ckpt=True))  # the fused head loss, untied
         out.append(_case(stages, 3, "uneven", True, "1f1b", zb=False))
+        # blocks cut between attention and MLP at the stage boundaries (model.halves), with and
+        # without checkpointing; their twin is the same case with whole blocks
+        out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
+                for tied, ckpt in ((True, False), (False, True))]
     return out
 
 
-def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True):
+# with cut blocks: the 3 blocks of tiny_model, cut at each boundary (a stage may hold half a block only)
+CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm", "head"]],
+              3: [["embed", "pos", "h.0.attn"], ["h.0.mlp", "h.1", "h.2.attn"], ["h.2.mlp", "norm", "head"]]}
+
+
+def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
+          cut=False):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
-    return {"name": base + ("-ckpt" if ckpt else "") + ("" if zb else "-nozb"),
-            "same_as": base if ckpt or not zb else None,
+    return {"name": base + ("-cut" if cut else "") + ("-ckpt" if ckpt else "") + ("" if zb else "-nozb"),
+            "same_as": base if ckpt or not zb or cut else None, "split": CUT_SPLITS[stages] if cut else None,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
             "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb}
 

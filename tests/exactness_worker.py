@@ -16,7 +16,7 @@ import pipeline_harness as harness  # noqa: E402
 def run_case(case, dtype):
     return harness.train_case(ec.tiny_model(case["tied"], dtype=dtype), ec.ds_config(case),
                               lambda step, replica: ec.batches(case, step, replica), ec.STEPS,
-                              lambda replica: ec.batches(case, ec.EVAL_STEP, replica))
+                              lambda replica: ec.batches(case, ec.EVAL_STEP, replica), split=case["split"])
 
 
 def main():

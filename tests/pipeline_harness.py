@@ -67,7 +67,7 @@ def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, sl
     }
 
 
-def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> dict:
+def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None) -> dict:
     """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step, replica)`` gives the
     step's microbatches [(input_ids, labels), ...] of a data-parallel replica, ``eval_batches(replica)``
     those evaluated after training.
@@ -76,11 +76,14 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> d
     before the data-parallel reduction (after the tied-weight one, before clipping), its parameters
     after the last step, the losses train_batch returned, the last stage's own loss of each step in
     the model's dtype (``exact_losses``: DeepSpeed broadcasts the loss in fp32), the eval loss.
+    ``split``: layer names per stage (``StageSplit.from_names``; default the config's split).
     """
     from tp_trainer.initialize import initialize
     from tp_trainer.model.pipeline import hf_named_parameters
+    from tp_trainer.model.split import StageSplit
+    split = StageSplit.from_names(split) if split is not None else None
 
-    engine, *_ = initialize(model, config)
+    engine, *_ = initialize(model, config, split=split)
     named = hf_named_parameters(engine.module)
     grads = {}
 
@@ -106,7 +109,8 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None) -> d
     eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
-            "fused_head_loss": getattr(engine, "head_loss", None) is not None}
+            "fused_head_loss": getattr(engine, "head_loss", None) is not None,
+            "layer_types": [type(f).__name__ for f in engine.module.forward_funcs]}
 
 
 def save_rank(results: dict, out_dir: str) -> None:
@@ -127,8 +131,10 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
             if only is not None and name != only:  # merge that case alone
                 continue
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
-                                             "grads": {}, "params": {}, "fused_head_loss": False})
+                                             "grads": {}, "params": {}, "fused_head_loss": False,
+                                             "layer_types": set()})
             entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
+            entry["layer_types"] |= set(result.get("layer_types", ()))
             # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
             assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
                        zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"

@@ -1,7 +1,8 @@
 """TeraPipe training equals the plain HF model in one process (dropout 0).
 
 Cases: stages {1,2,3} x microbatches {1,3} x slices {1, uniform 4, [7,5,3,1]} x tied/untied heads
-(gpipe; 1f1b with 3 microbatches), activation checkpointing, and 2 stages x 2 replicas with ZeRO-1
+(gpipe; 1f1b with 3 microbatches), activation checkpointing, blocks cut between attention and MLP at
+the stage boundaries (model/halves.py), and 2 stages x 2 replicas with ZeRO-1
 (both orders) and without ZeRO (fp32 only: DeepSpeed reduces no float64 gradients); 3
 AdamW steps with global-norm clipping, then an evaluation. One launch each of 1, 2, 3 and 4 ranks
 runs every case twice: in float64 end to end and in fp32. Criteria
@@ -51,10 +52,13 @@ def test_matches_hf(pipeline_results, case):
     print(report + " | fp32 distance/allowed " + " ".join(f"{k} {v:.2f}" for k, v in worst32.items()))
     for key in case["dtypes"]:  # a checkpointed last stage runs its head and loss fused (model/head_loss.py)
         assert pipeline_results[f"{case['name']}@{key}"]["fused_head_loss"] == case["ckpt"], key
-    if case["same_as"]:  # activation checkpointing changes nothing: same loss and grads as without it
+    for key in case["dtypes"]:  # a cut case's stages run the halves of model/halves.py
+        types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]
+        assert ({"AttentionHalf", "MLPHalf"} <= types) == bool(case["split"]), (key, sorted(types))
+    if case["same_as"]:  # checkpointing, cut blocks, W in the backward change nothing: same loss and grads
         for key in case["dtypes"]:
             got, plain = pipeline_results[f"{case['name']}@{key}"], pipeline_results[f"{case['same_as']}@{key}"]
             for step, (a, b) in enumerate(zip(got["losses"], plain["losses"], strict=True)):
-                assert abs(a - b) <= 1e-6 * abs(b), f"{key} step {step}: checkpointed loss {a} != {b}"
+                assert abs(a - b) <= 1e-6 * abs(b), f"{key} step {step}: loss {a} != {b} of {case['same_as']}"
             for name, grad in plain["grads"].items():
-                assert harness.relative(got["grads"][name], grad) <= 1e-6, f"{key}: checkpointed gradient of {name}"
+                assert harness.relative(got["grads"][name], grad) <= 1e-6, f"{key}: gradient of {name} differs from {case['same_as']}"

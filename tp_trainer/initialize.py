@@ -41,7 +41,8 @@ def init_process_group(dist_init_required=None) -> None:
 
 
 def initialize(model, config=None, args=None, training_data=None, optimizer=None, lr_scheduler=None,
-               collate_fn=None, dist_init_required=None, checkpoint=None, seed=0, spec: PipelineSpec | None = None):
+               collate_fn=None, dist_init_required=None, checkpoint=None, seed=0, spec: PipelineSpec | None = None,
+               split=None):
     """Split ``model`` (an HF causal LM) into pipeline stages and build a TeraPipeEngine.
 
     ``config``: the DeepSpeed config (dict or JSON path) with a ``terapipe`` section.
@@ -50,6 +51,9 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     seeded init that does not depend on the number of stages.
     ``spec``: the checks' result (``checks.validate`` / ``check_pipeline``), which ``config`` then
     need not repeat; without it the checks run here.
+    ``split``: the stage boundaries (``model.split.StageSplit``, e.g. ``StageSplit.from_names``; a
+    block may be cut into its attention and MLP halves where the family allows it, ``model.halves``).
+    Default: with ``"slices": "auto"`` the measured split, else the per-token estimate's.
     Collective. A rank that cannot load its stage's weights stops every rank (``failures.RunStopped``).
     Returns (engine, optimizer, training_dataloader, lr_scheduler) like ``deepspeed.initialize``.
     """
@@ -61,8 +65,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     device = get_accelerator().device_name(local_rank)
     baseline_mb = current_rss_mb()  # the memory limit counts from here
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
-                               baseline_mb) if measured_split(spec) else (None, None))
-    split = layout.split if layout else None
+                               baseline_mb) if measured_split(spec) and split is None else (None, None))
+    split = layout.split if layout else split
     ds_config = with_checkpointing(ds_config, layout)
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
              device=device, split=split)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..model.adapters import adapter_for
+from ..model.halves import module_args, split_specs
 from ..model.layers import SliceContext
 from ..model.split import StageSplit, split_for_config
 
@@ -155,12 +156,12 @@ def stage_modules(model, stages: int, stage: int, split: StageSplit | None = Non
     """
     adapter = adapter_for(model.config)
     split = split or split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
-    specs = adapter.layer_specs(model, SliceContext())
+    specs = split_specs(adapter, model, SliceContext(), split)
     names = {id(module): name for name, module in model.named_modules()}
     found = {}
     for spec in specs[split.parts[stage]:split.parts[stage + 1]]:
-        for value in (*spec.module_args, *spec.module_kwargs.values()):
-            if isinstance(value, nn.Module) and id(value) in names:  # modules made by the adapter are real
+        for value in module_args(spec):
+            if id(value) in names:  # modules made by the adapter are real
                 found[names[id(value)]] = value
     return {name: module for name, module in found.items()
             if not any(name.startswith(other + ".") for other in found)}

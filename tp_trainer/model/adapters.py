@@ -4,6 +4,9 @@ An adapter module provides:
     PREFIX, SUFFIX           layer names pinned to the first / last stage (see split.py)
     layer_specs(model, ctx)  DeepSpeed layer specs [*prefix layers, blocks..., *suffix layers]
                              wrapping the HF model's own submodules (``layers.HFPart``)
+    HALVES (optional)        the block's children of its attention and MLP branches, e.g. GPT-2's
+                             (("ln_1", "attn"), ("ln_2", "mlp")): a measured split may then put a
+                             stage boundary inside a block (``halves.py``)
 Adding a family = one file with those three names + one line in ``ADAPTERS``.
 """
 
@@ -21,6 +24,11 @@ ADAPTERS: dict[str, ModuleType] = {
     "qwen2": llama,    # Qwen2DecoderLayer / MistralDecoderLayer take Llama's arguments (5.23);
     "mistral": llama,  # their sliding windows come from llama.layer_window
 }
+
+
+def has_halves(config) -> bool:
+    """True when the family's blocks can be cut between attention and MLP (its adapter's HALVES)."""
+    return getattr(adapter_for(config), "HALVES", None) is not None
 
 
 def adapter_for(config) -> ModuleType:

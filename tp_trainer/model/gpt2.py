@@ -6,6 +6,8 @@ Layer list (names as in ``split.py``):
     h.i    transformer.h.i   GPT2Block, attending to earlier slices through the slice cache
     norm   transformer.ln_f
     head   lm_head           or, when tied, the embedding's weight used as the output projection
+A measured split may cut the block at a stage boundary into h.i.attn (ln_1, attn) and h.i.mlp
+(ln_2, mlp): ``HALVES``, see halves.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .specs import embed_and_head_specs
 
 PREFIX = ("embed", "pos")
 SUFFIX = ("norm", "head")
+HALVES = (("ln_1", "attn"), ("ln_2", "mlp"))  # GPT2Block's two residual branches (model.halves)
 
 
 def layer_specs(model, ctx: SliceContext) -> list:

@@ -168,6 +168,12 @@ class DecoderBlock(HFPart):
         self.spans = ctx.attn_implementation != "eager" and redirect(inner)
 
     def forward(self, hidden):
+        out = self.inner(hidden, **self.attention_kwargs(hidden))
+        return out[0] if isinstance(out, tuple) else out
+
+    def attention_kwargs(self, hidden) -> dict:
+        """What the HF block (and its attention module) takes besides ``hidden``: the slice cache,
+        the mask (or SliceSpan), and position ids / rotary (cos, sin) where the family needs them."""
         ctx = self.ctx
         mask = ctx.span(self.window) if self.spans else ctx.mask(hidden, self.window)
         kwargs = {self.cache_arg: ctx.cache, "attention_mask": mask}
@@ -175,8 +181,7 @@ class DecoderBlock(HFPart):
             kwargs["position_ids"] = ctx.plan_positions(hidden.device)
         if self.rotary is not None:
             kwargs["position_embeddings"] = ctx.rotary(self.rotary, hidden)
-        out = self.inner(hidden, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return kwargs
 
 
 class OffsetPositions(HFPart):

@@ -27,6 +27,8 @@ from .specs import embed_and_head_specs
 
 PREFIX = ("embed",)
 SUFFIX = ("norm", "head")
+# the decoder layer's two residual branches (model.halves; Qwen2 / Mistral name them the same)
+HALVES = (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp"))
 
 
 def layer_window(config, i: int) -> int | None:

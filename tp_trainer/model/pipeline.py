@@ -8,6 +8,7 @@ from deepspeed.utils import logger
 
 from ..ds_compat import set_layer_bounds, stage_of_rank
 from .adapters import adapter_for
+from .halves import split_specs
 from .layers import HFPart, SliceContext
 from .split import StageSplit, split_for_config
 
@@ -42,7 +43,7 @@ def build_pipeline_module(model, stages: int, attn_implementation: str | None = 
     adapter = adapter_for(model.config)
     ctx = SliceContext(impl)
     split = split or split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
-    return TeraPipeModule(adapter.layer_specs(model, ctx), split, ctx, **kwargs)
+    return TeraPipeModule(split_specs(adapter, model, ctx, split), split, ctx, **kwargs)
 
 
 def hf_named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -20,12 +20,15 @@ training step's forward + backward of each layer at the run's sequence length an
 ``planner.layer_cost``): with attention over a long context a block can cost more than the head,
 which the per-token estimate above cannot see. Stage boundaries fall between blocks only, so every
 stage holds a block and the prefix / suffix stay on the first / last stage: every family here needs
-that (the engine feeds token ids to the first stage and takes the loss on the last).
+that (the engine feeds token ids to the first stage and takes the loss on the last). With
+``halves`` (families whose adapter names its blocks' HALVES, ``model.halves``) the costs are per
+half block, ``h.i.attn`` and ``h.i.mlp``, and a boundary may fall between the two; a block whose
+halves share a stage is named ``h.i`` again, so only a block at a boundary is cut.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,20 @@ class StageSplit:
     costs: tuple[float, ...]
     unit: str = "/token"  # what ``costs`` count: "/token" (estimate) or " s/step" (measured)
 
+    @classmethod
+    def from_names(cls, names) -> "StageSplit":
+        """A split given as layer names per stage, e.g. [["embed", "pos", "h.0", "h.1.attn"],
+        ["h.1.mlp", "h.2", "norm", "head"]] (costs unknown: 0)."""
+        names = tuple(tuple(stage) for stage in names)
+        parts = [0]
+        for stage in names:
+            parts.append(parts[-1] + len(stage))
+        return cls(names, tuple(parts), (0.0,) * len(names), " (given)")
+
+    def layers(self) -> list[str]:
+        """The pipeline layer list of this split (every stage's names in order)."""
+        return [name for names in self.names for name in names]
+
     def describe(self) -> str:
         """One line: the layers of each stage and its cost."""
         return " | ".join(f"stage {s}: {_short(names)} ({cost:.3g}{self.unit})"
@@ -50,11 +67,24 @@ class StageSplit:
 
 PREFIX = ("embed",)          # generic defaults; each family's adapter passes its own names
 SUFFIX = ("norm", "head")
+HALF_NAMES = ("attn", "mlp")  # a block's halves (model.halves.ATTN / MLP)
 
 
-def layer_names(num_blocks: int, prefix=PREFIX, suffix=SUFFIX) -> list[str]:
-    """The pipeline layer list for a model with ``num_blocks`` decoder blocks."""
-    return [*prefix, *(f"h.{i}" for i in range(num_blocks)), *suffix]
+def block_part(name: str) -> str | None:
+    """What a layer name holds: "block" (h.i), "attn" / "mlp" (a half, h.i.attn / h.i.mlp) or None
+    (prefix / suffix layers)."""
+    if not name.startswith("h."):
+        return None
+    last = name.rpartition(".")[2]
+    return last if last in HALF_NAMES else "block"
+
+
+def layer_names(num_blocks: int, prefix=PREFIX, suffix=SUFFIX, halves: bool = False) -> list[str]:
+    """The pipeline layer list for a model with ``num_blocks`` decoder blocks (``halves``: each block
+    as its two halves, "h.i.attn", "h.i.mlp")."""
+    blocks = ([f"h.{i}.{half}" for i in range(num_blocks) for half in HALF_NAMES] if halves
+              else [f"h.{i}" for i in range(num_blocks)])
+    return [*prefix, *blocks, *suffix]
 
 
 def block_cost(hidden: int, intermediate: int | None = None) -> float:
@@ -121,26 +151,72 @@ def _assemble(counts: list[int], per_block: float, head: float, prefix: tuple, s
     return StageSplit(tuple(names), tuple(parts), tuple(costs))
 
 
-def split_by_cost(costs, stages: int, num_blocks: int, prefix=PREFIX, suffix=SUFFIX) -> StageSplit:
+def split_by_cost(costs, stages: int, num_blocks: int, prefix=PREFIX, suffix=SUFFIX,
+                  halves: bool = False) -> StageSplit:
     """Contiguous stages minimizing the busiest stage's summed cost (pure; any cost unit).
 
     ``costs``: one number per pipeline layer, in the order of ``layer_names(num_blocks, prefix,
-    suffix)`` (e.g. measured seconds per step). Boundaries fall between blocks, so each stage holds
-    >= 1 block, the prefix the first stage and the suffix the last. Among splits with the same
-    busiest stage, the one with the least sum of squared stage costs wins (the others most even).
-    Returns a StageSplit whose ``costs`` are the stages' summed costs (unit " s/step").
+    suffix, halves)`` (e.g. measured seconds per step). Boundaries fall between blocks (``halves``:
+    between half blocks), so each stage holds >= 1 block (half), the prefix the first stage and the
+    suffix the last. Among splits with the same busiest stage, the one with the least sum of squared
+    stage costs wins (the others most even). Returns a StageSplit whose ``costs`` are the stages'
+    summed costs (unit " s/step"); a block whose halves share a stage is named ``h.i``.
     """
-    names = layer_names(num_blocks, prefix, suffix)
+    names = layer_names(num_blocks, prefix, suffix, halves)
     if len(costs) != len(names):
         raise ValueError(f"split_by_cost: {len(costs)} costs for {len(names)} layers {names}")
     if not 1 <= stages <= num_blocks:
         raise ValueError(f"pipeline stages ({stages}) must be in 1..{num_blocks} (the model's decoder layers)")
     head, tail = sum(costs[:len(prefix)]), sum(costs[len(names) - len(suffix):])
-    blocks = [float(c) for c in costs[len(prefix):len(names) - len(suffix)]]
-    counts = _counts_by_cost(blocks, stages, head, tail)
-    split = _assemble(counts, 0.0, 0.0, tuple(prefix), tuple(suffix))
-    stage_costs = tuple(sum(costs[a:b]) for a, b in zip(split.parts, split.parts[1:]))
-    return StageSplit(split.names, split.parts, stage_costs, " s/step")
+    units = [float(c) for c in costs[len(prefix):len(names) - len(suffix)]]
+    return split_from_counts(_counts_by_cost(units, stages, head, tail), costs, num_blocks, prefix, suffix, halves)
+
+
+def neighbours(split: StageSplit, costs, num_blocks: int, prefix=PREFIX, suffix=SUFFIX,
+               halves: bool = False) -> list[StageSplit]:
+    """The splits with one boundary of ``split`` moved by one block (``halves``: one half block), each
+    stage keeping >= 1; ``costs`` as for ``split_by_cost``. Pure."""
+    counts = [sum(2 if halves and block_part(n) == "block" else 1 for n in names if block_part(n))
+              for names in split.names]
+    out = []
+    for boundary in range(len(counts) - 1):
+        for step in (-1, 1):
+            moved = list(counts)
+            moved[boundary] += step
+            moved[boundary + 1] -= step
+            if min(moved) >= 1:
+                out.append(split_from_counts(moved, costs, num_blocks, prefix, suffix, halves))
+    return out
+
+
+def split_from_counts(counts, costs, num_blocks: int, prefix=PREFIX, suffix=SUFFIX,
+                      halves: bool = False) -> StageSplit:
+    """The split holding ``counts[s]`` blocks (``halves``: half blocks) on stage s, in order;
+    ``costs`` per layer of ``layer_names(num_blocks, prefix, suffix, halves)`` give its stage costs."""
+    names = layer_names(num_blocks, prefix, suffix, halves)
+    head, tail = sum(costs[:len(prefix)]), sum(costs[len(names) - len(suffix):])
+    units = [float(c) for c in costs[len(prefix):len(names) - len(suffix)]]
+    unit_names, start = names[len(prefix):len(names) - len(suffix)], 0
+    stage_names, stage_costs = [], []
+    for stage, count in enumerate(counts):
+        held = _whole_blocks(unit_names[start:start + count])
+        stage_names.append((*(prefix if stage == 0 else ()), *held, *(suffix if stage == len(counts) - 1 else ())))
+        stage_costs.append(sum(units[start:start + count]) + (head if stage == 0 else 0.0)
+                           + (tail if stage == len(counts) - 1 else 0.0))
+        start += count
+    return replace(StageSplit.from_names(stage_names), costs=tuple(stage_costs), unit=" s/step")
+
+
+def _whole_blocks(units: list[str]) -> list[str]:
+    """``units`` (block or half-block names in order) with each block's two halves joined: "h.2"."""
+    out = []
+    for name in units:
+        block, _, half = name.rpartition(".")
+        if half == HALF_NAMES[1] and out and out[-1] == f"{block}.{HALF_NAMES[0]}":
+            out[-1] = block
+        else:
+            out.append(name)
+    return out
 
 
 def _counts_by_cost(blocks: list[float], stages: int, head: float, tail: float) -> list[int]:

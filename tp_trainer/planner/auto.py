@@ -219,9 +219,8 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
         everyone = [None] * world
         tdist.all_gather_object(everyone, mine)
     parts = {name: part for measured in everyone for name, part in measured.items()}
-    layers = LayerCosts(parts["prefix"][0], parts["block"][0], parts["suffix"][0], int(config.num_hidden_layers),
-                        prefix, suffix, {name: parts[name][1] for name in parts})
-    latency, per_byte = measure_p2p(config.hidden_size, seq_len, parts["block"][0].bytes_per_element)
+    layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
+    latency, per_byte = measure_p2p(config.hidden_size, seq_len, layers.block.bytes_per_element)
     meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
             "torch_threads": torch.get_num_threads(), "world_size": world}
     return layers, latency, per_byte, meta

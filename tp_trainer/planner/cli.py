@@ -123,8 +123,7 @@ def plan_layers(args, config, cost) -> None:
         sizes = [args.microbatch_size] if args.microbatch_size else [b for b in range(1, args.batch + 1)
                                                                       if args.batch % b == 0]
         parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget)
-        layers = LayerCosts(*(parts[n][0] for n in ("prefix", "block", "suffix")), int(config.num_hidden_layers),
-                            prefix, suffix, {n: parts[n][1] for n in parts})
+        layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
         latency, per_byte, meta = *time_copy(config.hidden_size, args.seq_len), {"seq_len": args.seq_len}
     else:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,

@@ -3,14 +3,17 @@
 A model's pipeline layers are ``[*prefix, N identical blocks, *suffix]``. Three parts are timed
 on a probe model of the same config with ONE block (random weights, this device, fp32), before the
 run's own model is built: the prefix alone (token ids -> hidden), one block, and the suffix alone
-(hidden -> loss), each with ``profile.profile_stage`` over the grid a stage gets (part i on rank i %
+(hidden -> loss). Where the family's blocks can be cut (``model.halves``) the block is timed as its
+two halves, "attn" and "mlp" (a whole block costs their sum), and the split may cut a block;
+each part each with ``profile.profile_stage`` over the grid a stage gets (part i on rank i %
 world; with gloo a rank that is done computes until all are, ``profile.busy_until_all_done``). A part's fitted
 ``StageCost`` is linear in the cost features, so a stage of k blocks (plus the prefix / suffix)
 costs the sum of the parts' coefficient vectors: every split is priced without profiling it.
 
 ``plan_layout`` alternates: split the layers by their cost at the current slices
 (``model.split.split_by_cost``, the busiest stage least), plan the slices for that split's stage
-costs (TeraPipe's DP), until a split repeats; it keeps the (split, plan) of least predicted step.
+costs (TeraPipe's DP), until a split repeats; then it tries the best split's neighbours (one
+boundary moved by one unit); it keeps the (split, plan) of least predicted step.
 The split is a plain value, known before DeepSpeed's PipelineModule is built.
 """
 
@@ -24,13 +27,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..model.split import StageSplit, layer_names, split_by_cost
+from ..model.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
 from .cost_model import PipelineCost, StageCost, features, fit_line, link_line
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
 from .report import make_plan
 
 PARTS = ("prefix", "block", "suffix")
+HALF_PARTS = ("prefix", "attn", "mlp", "suffix")  # profiled where the family's blocks can be cut
 
 
 @dataclass
@@ -44,47 +48,67 @@ class LayerCosts:
     prefix_names: tuple
     suffix_names: tuple
     memory: dict | None = None   # part -> memory_model.PartMemory (None: not measured)
+    attn: StageCost | None = None  # a block's halves (``block`` is then their sum); None: not cut
+    mlp: StageCost | None = None
+
+    @classmethod
+    def from_parts(cls, parts: dict, blocks: int, prefix: tuple, suffix: tuple) -> "LayerCosts":
+        """From ``measure_layers``' {part: (StageCost, PartMemory)} of every rank, merged."""
+        costs = {name: cost for name, (cost, _) in parts.items()}
+        block = costs.get("block") or summed_cost([costs["attn"], costs["mlp"]], costs["attn"])
+        return cls(costs["prefix"], block, costs["suffix"], int(blocks), tuple(prefix), tuple(suffix),
+                   {name: memory for name, (_, memory) in parts.items()}, costs.get("attn"), costs.get("mlp"))
+
+    @property
+    def halves(self) -> bool:
+        """True when a block's halves were measured: the split may cut a block."""
+        return self.attn is not None and self.mlp is not None
 
     def names(self) -> list[str]:
-        return layer_names(self.blocks, self.prefix_names, self.suffix_names)
+        return layer_names(self.blocks, self.prefix_names, self.suffix_names, self.halves)
 
     def stage_cost(self, names) -> StageCost:
         """The StageCost of a stage holding ``names`` (sum of its parts' coefficients)."""
-        parts = [self.part_of(n) for n in names if self.part_of(n) is not None]
-        fwd = sum(np.asarray(p.forward) for p in parts)
-        bwd = sum(np.asarray(p.backward) for p in parts)
-        return StageCost(list(map(float, fwd)), list(map(float, bwd)), self.block.hidden,
-                         self.block.bytes_per_element, sum(p.step_time for p in parts), {"from_layers": True},
-                         _weight_samples(parts, self.block.samples))
+        return summed_cost([self.part_of(n) for n in names if self.part_of(n) is not None], self.block)
 
     def part_of(self, name: str) -> StageCost | None:
-        """The part whose cost ``name`` carries: blocks their own, the first prefix / suffix name the
-        whole prefix / suffix (they always share a stage), the other names None."""
-        if name.startswith("h."):
-            return self.block
+        """The part whose cost ``name`` carries: blocks (and halves) their own, the first prefix /
+        suffix name the whole prefix / suffix (they always share a stage), the other names None."""
+        kind = block_part(name)
+        if kind is not None:
+            return getattr(self, kind)
         if name == self.prefix_names[0]:
             return self.prefix
         if name == self.suffix_names[0]:
             return self.suffix
         return None
 
-    def layer_seconds(self, plan: PlannedBatch) -> list[float]:
-        """Seconds of one step (forward + backward of every unit, optimizer step) per layer name."""
+    def layer_seconds(self, plan: PlannedBatch, names=None) -> list[float]:
+        """Seconds of one step (forward + backward of every unit, optimizer step) per layer name
+        (``names``, default ``self.names()``)."""
         sizes, lengths, contexts = [], [], []
         for b, sl in zip(plan.microbatch_sizes, plan.slices):
             sizes += [b] * len(sl)
             lengths += list(sl)
             contexts += list(np.concatenate([[0], np.cumsum(sl)[:-1]]))
+        units = tuple(np.asarray(v, float) for v in (sizes, lengths, contexts))
+        seconds = {}   # per part, computed once
         out = []
-        for name in self.names():
+        for name in self.names() if names is None else names:
             part = self.part_of(name)
-            out.append(0.0 if part is None else
-                       float(np.sum(part.total(np.asarray(sizes, float), np.asarray(lengths, float),
-                                               np.asarray(contexts, float))) + part.step_time))
+            if part is not None and id(part) not in seconds:
+                seconds[id(part)] = float(np.sum(part.total(*units)) + part.step_time)
+            out.append(0.0 if part is None else seconds[id(part)])
         return out
 
     def split(self, plan: PlannedBatch, stages: int) -> StageSplit:
-        return split_by_cost(self.layer_seconds(plan), stages, self.blocks, self.prefix_names, self.suffix_names)
+        return split_by_cost(self.layer_seconds(plan), stages, self.blocks, self.prefix_names, self.suffix_names,
+                             self.halves)
+
+    def neighbours(self, split: StageSplit, plan: PlannedBatch) -> list[StageSplit]:
+        """``split`` with one boundary moved by one block (half block), priced at ``plan``."""
+        return neighbours(split, self.layer_seconds(plan), self.blocks, self.prefix_names, self.suffix_names,
+                          self.halves)
 
     def pipeline_cost(self, split: StageSplit, latency: float, per_byte: float, meta: dict | None = None) -> PipelineCost:
         """The PipelineCost of ``split`` (one StageCost per stage); ``meta["layers"]`` holds these costs,
@@ -95,7 +119,7 @@ class LayerCosts:
     def describe(self, latency: float, per_byte: float) -> str:
         """The measured parts: points, held-out error, optimizer step; the link."""
         lines = []
-        for name in PARTS:
+        for name in HALF_PARTS if self.halves else PARTS:
             lines.append(fit_line(name, getattr(self, name)))
         lines.append(link_line(latency, per_byte))
         return "\n".join(lines)
@@ -104,7 +128,8 @@ class LayerCosts:
         return {"prefix": asdict(self.prefix), "block": asdict(self.block), "suffix": asdict(self.suffix),
                 "blocks": self.blocks, "prefix_names": list(self.prefix_names),
                 "suffix_names": list(self.suffix_names),
-                "memory": None if self.memory is None else {k: asdict(v) for k, v in self.memory.items()}}
+                "memory": None if self.memory is None else {k: asdict(v) for k, v in self.memory.items()},
+                **({"attn": asdict(self.attn), "mlp": asdict(self.mlp)} if self.halves else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerCosts":
@@ -112,7 +137,17 @@ class LayerCosts:
         memory = data.get("memory")
         return cls(*(StageCost(**data[p]) for p in PARTS), int(data["blocks"]), tuple(data["prefix_names"]),
                    tuple(data["suffix_names"]),
-                   None if memory is None else {k: PartMemory(**v) for k, v in memory.items()})
+                   None if memory is None else {k: PartMemory(**v) for k, v in memory.items()},
+                   *(StageCost(**data[p]) if p in data else None for p in ("attn", "mlp")))
+
+
+def summed_cost(parts: list, like: StageCost) -> StageCost:
+    """One StageCost running ``parts`` one after another (coefficients, optimizer steps and W
+    samples summed; ``like``: the width, dtype and points)."""
+    fwd = sum(np.asarray(p.forward) for p in parts)
+    bwd = sum(np.asarray(p.backward) for p in parts)
+    return StageCost(list(map(float, fwd)), list(map(float, bwd)), like.hidden, like.bytes_per_element,
+                     sum(p.step_time for p in parts), {"from_layers": True}, _weight_samples(parts, like.samples))
 
 
 def _weight_samples(parts, points) -> list:
@@ -148,8 +183,7 @@ class Layout:
 
 def stage_busy(layers: LayerCosts, split: StageSplit, plan: PlannedBatch) -> tuple[float, ...]:
     """Predicted busy seconds of each stage of ``split`` running ``plan``."""
-    seconds = layers.layer_seconds(plan)
-    return tuple(float(sum(seconds[a:b])) for a, b in zip(split.parts, split.parts[1:]))
+    return tuple(float(sum(layers.layer_seconds(plan, names))) for names in split.names)
 
 
 def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granularity: int = 8,
@@ -159,15 +193,24 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
     b = microbatch_size or 1
     plan = with_slices(seq_len, stages, [b] * (batch // b), (seq_len,))   # start: whole sequences
     seen: dict = {}
-    split = layers.split(plan, stages)
-    for _ in range(rounds):
+
+    def planned(split: StageSplit) -> Layout:
         cost = layers.pipeline_cost(split, latency, per_byte, meta)
         plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size, schedule=schedule)
-        seen[split.parts] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
+        seen[split.names] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
                                    stage_busy(layers, split, plan), 0)
-        split = layers.split(plan, stages)
-        if split.parts in seen:
+        return seen[split.names]
+
+    split = layers.split(plan, stages)
+    for _ in range(rounds):
+        split = layers.split(planned(split).plan, stages)
+        if split.names in seen:
             break
+    best = min(seen.values(), key=lambda layout: layout.predicted)
+    # the split is balanced on summed busy time, the step is simulated: try one unit either way
+    for near in layers.neighbours(best.split, best.plan):
+        if near.names not in seen:
+            planned(near)
     best = min(seen.values(), key=lambda layout: layout.predicted)
     best.tried = len(seen)
     return best
@@ -194,6 +237,7 @@ def probe_parts(config, device="cpu", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from ..model.adapters import adapter_for
+    from ..model.halves import half_spec
     from ..model.layers import SliceContext
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
@@ -211,6 +255,11 @@ def probe_parts(config, device="cpu", dtype=torch.float32):
             funcs.append(spec.build())
     n_pre, n_suf = len(adapter.PREFIX), len(adapter.SUFFIX)
     parts = {"prefix": funcs[:n_pre], "block": funcs[n_pre:n_pre + 1], "suffix": funcs[len(funcs) - n_suf:]}
+    halves = getattr(adapter, "HALVES", None)
+    if halves:  # the block as its two halves (the same modules), timed apart
+        block_spec = adapter.layer_specs(model, ctx)[n_pre]
+        parts = {"prefix": parts["prefix"], **{half: [half_spec(block_spec, half, halves).build()]
+                                               for half in ("attn", "mlp")}, "suffix": parts["suffix"]}
     return parts, ctx, adapter
 
 
@@ -223,7 +272,7 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device)
-    mine = [p for i, p in enumerate(PARTS) if i % world == rank]
+    mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
     for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
         budget = (time_budget_s - (time.perf_counter() - start)) / (len(mine) - k)

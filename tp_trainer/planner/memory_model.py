@@ -1,6 +1,7 @@
 """Predicted peak memory of a plan per stage, from bytes measured at profile time (issue 12, section 2).
 
-Measured per part (prefix, one block, suffix: ``layer_cost``'s probe), in ``measure_part``:
+Measured per part (prefix, one block or its two halves, suffix: ``layer_cost``'s probe), in
+``measure_part``:
     params     bytes of the part's parameters
     token      bytes autograd saves for backward per token of a slice (outside the K/V buffers)
     pair       bytes saved per (query, key) pair of a slice against its context, l (c + l): the
@@ -43,6 +44,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..model.split import block_part
 from ..schedule import BackwardSlice, ForwardSlice, WeightGrad
 
 GIB = 2 ** 30
@@ -124,22 +126,38 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
     """The StageMemory of a stage holding layer ``names`` (``parts``: prefix / block / suffix
     PartMemory); ``first`` / ``last``: it holds the prefix / the suffix; ``mask_pair``: bytes per
     element of the attention masks (the activations' itemsize; 0: none counted)."""
-    blocks = sum(n.startswith("h.") for n in names)
+    kinds = [block_part(n) for n in names if block_part(n) is not None]
+    blocks = len(kinds)   # layers that keep their input when checkpointed (blocks and halves)
     ends = ([parts["prefix"]] if first else []) + ([parts["suffix"]] if last else [])
-    held = [parts["block"]] * blocks + ends
+    held = [p for kind in kinds for p in _block_parts(parts, kind)] + ends
     if all(p.kept_token >= 0 for p in held):
         kept = sum(p.kept_token for p in held)
     else:
         kept = blocks * hidden_bytes + sum(p.token for p in ends)
-    w_blocks = 16.0 * blocks * hidden_bytes  # the blocks' linear inputs and output gradients, a token
+    # the blocks' linear inputs and output gradients, a token (halves: their share of the 16)
+    w_blocks = sum(W_HIDDENS[kind] for kind in kinds) * hidden_bytes
     w_head = parts["suffix"].token if last else 0.0  # the logits' gradient (the fused head loss: none)
+    whole = _block_parts(parts, "block")
     return StageMemory(static=4.0 * sum(p.params for p in held), token=sum(p.token for p in held),
                        pair=sum(p.pair for p in held), kv=sum(p.kv for p in held),
-                       block_token=parts["block"].token, block_pair=parts["block"].pair,
+                       block_token=sum(p.token for p in whole), block_pair=sum(p.pair for p in whole),
                        kept_token=kept, input_token=0.0 if first else hidden_bytes,
                        w_token=w_blocks + w_head, held=tuple({id(p): p for p in held}.values()),
                        w_token_ckpt=w_blocks + (0.0 if parts["suffix"].fused_head else w_head),
                        output_token=0.0 if last else hidden_bytes, mask_pair=mask_pair)
+
+
+# hidden-sized values per token a deferred W keeps of a block's linear layers: inputs 7h (q/k/v h,
+# out h, fc h, proj 4h) and output gradients 9h (q/k/v 3h, out h, fc 4h, proj h); attention half
+# 2h + 4h, MLP half 5h + 5h
+W_HIDDENS = {"block": 16.0, "attn": 6.0, "mlp": 10.0}
+
+
+def _block_parts(parts: dict, kind: str) -> list:
+    """The PartMemory of a block layer of ``kind``: a whole block measured as its halves is both."""
+    if kind == "block" and "block" not in parts:
+        return [parts["attn"], parts["mlp"]]
+    return [parts[kind]]
 
 
 def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool, trace=None) -> float:
