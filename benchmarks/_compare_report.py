@@ -14,6 +14,7 @@ import os
 import statistics
 
 A, C, D = "(a) DeepSpeed 1F1B", "(c) TeraPipe DP", "(d) 1 process"
+WHOLE = "(c') TeraPipe DP, whole blocks"  # --whole_blocks: (c)'s cost model, no block cut
 
 
 def ratio_goal(args) -> float:
@@ -50,9 +51,11 @@ def summarize_run(args, res: dict) -> dict:
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
-            "profile_load": res.get("profile_load"),
+            "profile_load": res.get("profile_load"), "splits": res.get("splits", {}),
             "predicted_s": res["predicted_s"], "slices": res["slices"],
-            "first_loss": {n: res["losses"][n][0] for n in res["names"]}}
+            "first_loss": {n: res["losses"][n][0] for n in res["names"]},
+            "whole_over_cut_paired": statistics.median(w / c for w, c in zip(steps[WHOLE], steps[C], strict=True))
+            if WHOLE in steps else None}
 
 
 def _spread(values) -> str:
@@ -97,6 +100,10 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                    f"efficiency of (c) vs (a)/K {_spread([r['eff_vs_a'] for r in runs])}, vs (d)/K "
                    f"{_spread([r['eff_vs_d'] for r in runs])}, vs the stage probe "
                    f"{_spread([r['eff_vs_probe'] for r in runs])}"),
+              *([f"(c') whole blocks over (c) (a block cut where it balances better), paired per-step ratio: "
+                 f"{_spread([r['whole_over_cut_paired'] for r in runs])} (median (min-max) over runs; > 1: the cut "
+                 f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]
+                if last.get("whole_over_cut_paired") else []),
               _probe_line(last), _timeline_line(last), _prediction_line(last),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "

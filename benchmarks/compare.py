@@ -2,13 +2,15 @@
 
     python benchmarks/compare.py [--stages 2] [--batch 1] [--seq_len 1024] [--n_layer 6] [--n_embd 256]
                                  [--uniform 2,4,8,16] [--steps 10] [--warmup 2] [--budget 35] [--runs 3]
-                                 [--goal G] [--cost_model FILE] [--out PREFIX]
+                                 [--goal G] [--cost_model FILE] [--whole_blocks] [--out PREFIX]
 
 Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens with
   (a) DeepSpeed's own PipelineModule + PipelineEngine (stock 1F1B TrainSchedule), microbatch size 1,
       so ``batch`` microbatches (the most the batch allows), each stage running whole sequences;
   (b) TeraPipe, "uniform:N" slices;  (c) TeraPipe, slices from the DP on a profile of this machine
-      (``--budget`` s per stage; or ``--cost_model``);
+      (``--budget`` s per stage; or ``--cost_model``), stages split by measured cost, a block cut
+      between attention and MLP where that balances better; (c') with ``--whole_blocks``: the same
+      cost model, the stages split between whole blocks only (terapipe.split_blocks false);
   (d) one process, the whole HF model, no pipeline, one sequence at a time with gradient accumulation
       (microbatch size 1 like the others): the ideal K-stage step time is (d) / K.
 One thread per rank, ``--stages`` ranks (gloo). All variants live in ONE process pair and take
@@ -37,7 +39,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _compare_report import A, C, D, render, summarize_run
+from _compare_report import A, C, D, WHOLE, render, summarize_run
 from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
 
 
@@ -56,12 +58,15 @@ def worker(args) -> None:
     engines = {C: cm.terapipe_engine(args, "auto", args.cost_model)}
     args.profile_load = [load_at_start, os.getloadavg()[0]] if profiles else None  # 1-min load around the profile
     say(f"DP plan: {engines[C].plan}")
+    if args.whole_blocks:  # the same cost model, the split between whole blocks only
+        engines[WHOLE] = cm.terapipe_engine(args, "auto", args.cost_model, {"split_blocks": False})
+        say(f"whole blocks: {engines[WHOLE].plan}")
     for n in args.uniform:
         engines[f"(b) TeraPipe uniform:{n}"] = cm.terapipe_engine(args, f"uniform:{n}")
     say("building (a): DeepSpeed PipelineModule + stock PipelineEngine")
     engines[A] = cm.stock_engine(args)
     single = cm.single_model(args) if rank == 0 else None
-    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), C, D]
+    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), C, *([WHOLE] if args.whole_blocks else []), D]
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
     losses = {k: [] for k in names}
@@ -126,11 +131,14 @@ def write_result(args, engines, names, gathered, losses, everyone, load, recorde
     slices = {name: list(engines[name].plan.slices) for name in names if name not in (A, D)}
     schedule = engines[C].schedule_name
     predicted_s = {name: predict_time(with_slices(args.seq_len, args.stages, [1] * args.batch, s), cost, args.stages,
-                                      schedule) for name, s in slices.items()}
+                                      schedule) for name, s in slices.items() if name != WHOLE}  # (c)'s stage costs
     span = max(end for stage_boxes in boxes.values() for *_, end in stage_boxes)
     busy = {stage: _busy_by_kind(stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     tail = {stage: _tail_after_compute(everyone, stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
+    splits = {name: " | ".join(" ".join(n) for n in engines[name].module.stage_split.names)
+              for name in (C, WHOLE) if name in engines}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
+              "splits": splits,
               "plan_report": engines[C].plan_report, "load_1min": load, "profile_load": args.profile_load,
               "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()},
                            "tail_s": {str(k): v for k, v in tail.items()},
@@ -221,6 +229,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--budget", type=float, default=35.0, help="profiling seconds per stage for the DP plan")
     p.add_argument("--cost_model", default=None, help="cost model JSON: read if it exists, else written")
+    p.add_argument("--whole_blocks", action="store_true",
+                   help=f"also {WHOLE}: the DP plan with the stages split between whole blocks only")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--runs", type=int, default=3, help="fresh process pairs; figures are medians over runs")
     p.add_argument("--goal", type=float, default=None,

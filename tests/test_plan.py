@@ -25,6 +25,7 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 0}, r"terapipe.seq_len: must be a positive integer"),
     ({"seq_len": 16, "slice": [16]}, r"unknown key\(s\) \['slice'\]"),
     ({"seq_len": 16, "defer_weight_grads": "yes"}, r"terapipe.defer_weight_grads: must be true or false, got 'yes'"),
+    ({"seq_len": 16, "split_blocks": 1}, r"terapipe.split_blocks: must be true or false, got 1"),
 ])
 def test_bad_terapipe_section(section, message):
     with pytest.raises(ConfigError, match=message):

@@ -76,8 +76,16 @@ class TeraPipeConfig:
     fits, the run stops before building the model, naming the limit that would fit and the longest
     sequence that fits this one. None: no limit (time alone)."""
 
+    split_blocks: bool = True
+    """With "auto" slices: a stage boundary may fall inside a decoder block, between its attention and
+    its MLP, where the family allows it (GPT-2, Llama, Qwen2, Mistral; ``model/halves.py``): the
+    profile then times the two halves apart. false: whole blocks per stage (DeepSpeed's per-layer
+    checkpoint files then keep one file per block)."""
+
     def __post_init__(self):
         self._check_memory_limit()
+        if not isinstance(self.split_blocks, bool):
+            raise ConfigError(f"terapipe.split_blocks: must be true or false, got {self.split_blocks!r}")
         if not isinstance(self.defer_weight_grads, bool):
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:

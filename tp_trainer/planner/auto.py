@@ -130,7 +130,8 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
 def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, microbatch_size: int | None = None,
                     granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
-                    memory_limit: float | None = None, baseline_mb: float | None = None) -> tuple[Layout, str]:
+                    memory_limit: float | None = None, baseline_mb: float | None = None,
+                    split_blocks: bool = True) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -139,7 +140,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     checkpointing are chosen too (``memory_plan``); ``memory_plan.NoPlanFits`` on every rank if none fits.
     ``baseline_mb``: RSS before the model; what the ranks hold above it after profiling (freed memory
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
-    is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS)."""
+    is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS).
+    ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``)."""
     rank, world = _dist()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -151,7 +153,9 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     else:
         unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
-                                                   time_budget_s, device, unit_limit)
+                                                   time_budget_s, device, unit_limit, split_blocks)
+    if not split_blocks:
+        layers = layers.whole()
     overhead = _overhead(baseline_mb) if memory_limit is not None else 0.0
     profiled = _profile_peaks(baseline_mb) if memory_limit is not None else None
     result = [None]
@@ -207,13 +211,14 @@ def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
     return _every_rank(max(0.0, window_peak_mb() - baseline_mb) * 2 ** 20)
 
 
-def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None):
+def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,
+             halves: bool = True):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = _dist()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
-                                          unit_limit)
+                                          unit_limit, halves)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world

@@ -20,6 +20,7 @@ The split is a plain value, known before DeepSpeed's PipelineModule is built.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from functools import partial
 from dataclasses import asdict, dataclass
@@ -58,6 +59,10 @@ class LayerCosts:
         block = costs.get("block") or summed_cost([costs["attn"], costs["mlp"]], costs["attn"])
         return cls(costs["prefix"], block, costs["suffix"], int(blocks), tuple(prefix), tuple(suffix),
                    {name: memory for name, (_, memory) in parts.items()}, costs.get("attn"), costs.get("mlp"))
+
+    def whole(self) -> "LayerCosts":
+        """These costs with whole blocks only (the split cuts no block)."""
+        return dataclasses.replace(self, attn=None, mlp=None)
 
     @property
     def halves(self) -> bool:
@@ -230,9 +235,9 @@ def describe_layout(layout: Layout, layers: LayerCosts, analytic: StageSplit) ->
 
 # ------------------------------------------------------------------------------------ measuring
 
-def probe_parts(config, device="cpu", dtype=torch.float32):
+def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
     """({part: [callables]}, SliceContext) of a one-block model of ``config`` (random weights; the
-    global RNG is left as it was)."""
+    global RNG is left as it was); ``halves``: the block as "attn" and "mlp" where the family allows."""
     from deepspeed.pipe import TiedLayerSpec
     from transformers import AutoModelForCausalLM
 
@@ -255,7 +260,7 @@ def probe_parts(config, device="cpu", dtype=torch.float32):
             funcs.append(spec.build())
     n_pre, n_suf = len(adapter.PREFIX), len(adapter.SUFFIX)
     parts = {"prefix": funcs[:n_pre], "block": funcs[n_pre:n_pre + 1], "suffix": funcs[len(funcs) - n_suf:]}
-    halves = getattr(adapter, "HALVES", None)
+    halves = getattr(adapter, "HALVES", None) if halves else None
     if halves:  # the block as its two halves (the same modules), timed apart
         block_spec = adapter.layer_specs(model, ctx)[n_pre]
         parts = {"prefix": parts["prefix"], **{half: [half_spec(block_spec, half, halves).build()]
@@ -265,13 +270,13 @@ def probe_parts(config, device="cpu", dtype=torch.float32):
 
 def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time_budget_s: float = 60.0,
                    device="cpu", rank: int = 0, world: int = 1,
-                   max_unit_bytes: float | None = None) -> tuple[dict, tuple, tuple]:
+                   max_unit_bytes: float | None = None, halves: bool = True) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
     with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``)."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
-    parts, ctx, adapter = probe_parts(config, device)
+    parts, ctx, adapter = probe_parts(config, device, halves=halves)
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
     for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
