@@ -171,3 +171,10 @@ def test_costs_and_memory_of_halves_add_up_to_a_block():
     assert whole.w_token == halves.w_token == 16 * 512.0
     mlp_only = stage_memory(memory, ("h.0.mlp", "norm", "head"), 512.0, first=False, last=True)
     assert mlp_only.kv == 0.0 and mlp_only.w_token == 10 * 512.0 + 1000.0
+
+
+def test_resume_reads_deepspeed_files_only_for_the_same_layers():
+    from tp_trainer.resume import same_layers
+    whole, cut = layer_names(3, PREFIX, SUFFIX), CUT.layers()
+    assert same_layers({"layers": cut}, cut) and not same_layers({"layers": whole}, cut)
+    assert same_layers({}, whole) and not same_layers({}, cut)  # recorded nothing: whole blocks

@@ -18,6 +18,7 @@ come from RNGs reseeded from (step, rank): a layout's masks differ from another'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,6 +29,7 @@ import torch
 
 from .checkpoint import layout_free, optimizer_state
 from .config import ConfigError
+from .model.split import block_part
 from .plan import SlicePlan
 
 COMPLETE = "COMPLETE"
@@ -98,7 +100,8 @@ def manifest(engine, step: int, samples: int, config, with_layout_free: bool, ta
     return {"format": FORMAT, "step": step, "global_samples": samples,
             "samples": samples // engine.dp_world_size,  # per replica, as format 1 counted
             "plan": json.loads(engine.plan.to_json()), "schedule": engine.schedule_name,
-            "layout": current_layout(engine), "global_batch": engine.train_batch_size(),
+            "layout": current_layout(engine), "layers": engine.module.stage_split.layers(),
+            "global_batch": engine.train_batch_size(),
             "optimizer": {"type": (engine.optimizer_name() or "").lower(),
                           "class": type(optimizer_state.base_optimizer(engine)).__name__},
             "model": model_record(config) if config is not None else None,
@@ -124,6 +127,13 @@ def load(engine, point) -> tuple[int, int]:
     consumed: where the data continues)."""
     tag_dir = os.path.join(point.ckpt, point.tag)
     state = point.manifest
+    if point.same_layout and not same_layers(state, engine.module.stage_split.layers()):
+        if state["layout_free"] is None:
+            raise ConfigError(f"--resume: {tag_dir} holds DeepSpeed's files of the pipeline layers "
+                              f"{state.get('layers')} and no layout-free form; this run's stage split has the layers "
+                              f"{engine.module.stage_split.layers()}: resume with the checkpoint's split "
+                              f"(terapipe.split_blocks false keeps whole blocks)")
+        point = dataclasses.replace(point, same_layout=False)  # DeepSpeed's layer files are by layer index
     if point.same_layout:
         _load_deepspeed(engine, point.ckpt, point.tag, state)
     else:
@@ -137,6 +147,15 @@ def load(engine, point) -> tuple[int, int]:
     if samples is None:  # format 1: per replica, on this same layout
         samples = state["samples"] * engine.dp_world_size
     return state["step"], samples
+
+
+def same_layers(state: dict, layers: list[str]) -> bool:
+    """True when the checkpoint's pipeline layer list is ``layers`` (DeepSpeed numbers its per-layer
+    files by it). A checkpoint that did not record it had whole blocks."""
+    recorded = state.get("layers")
+    if recorded is None:
+        return not any(block_part(name) in ("attn", "mlp") for name in layers)
+    return list(recorded) == list(layers)
 
 
 def _load_deepspeed(engine, ckpt: str, tag: str, state: dict) -> None:

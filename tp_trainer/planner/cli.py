@@ -104,8 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads while profiling")
     p.add_argument("--save_dir", help="write plan.json and plan.txt into this directory")
     p.add_argument("--layers", action="store_true",
-                   help="with --profile: measure the prefix, one block and the suffix and place the stages by "
-                        "measured cost (what \"slices\": \"auto\" runs); a cost model with per-layer costs is "
+                   help="with --profile: measure the prefix, one block (GPT-2 / Llama family: its attention and "
+                        "MLP halves) and the suffix and place the stages by measured cost, a block cut where that "
+                        "balances better (what \"slices\": \"auto\" runs); a cost model with per-layer costs is "
                         "always planned that way")
     p.add_argument("--memory_limit_gib", type=float, default=None,
                    help="also choose order and checkpointing under this per-rank limit (needs per-layer costs)")
