@@ -66,8 +66,10 @@ def row_at(result: dict, length: int):
     return next((r for r in result["rows"] if r["length"] == length), None)
 
 
-def goals(results: dict, batch: int) -> list[tuple[str, bool | None, str]]:
-    """The issue's goals for one model: (goal, met (None: not measurable here), figures)."""
+def goals(results: dict, batch: int, paired: dict | None = None) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals for one model: (goal, met (None: not measurable here), figures). ``paired``:
+    (a) and (c) taking turns at their longest common length (``_long_context_paired.py``), which
+    then decides the (c)/(a) goal."""
     out = []
     longest_of = {v: longest(r) for v, r in results.items()}
     (e, e_lower), a2 = longest_of.get("e", (None, False)), longest_of.get("a_ckpt", (None, False))[0]
@@ -87,8 +89,16 @@ def goals(results: dict, batch: int) -> list[tuple[str, bool | None, str]]:
     if both:
         at = both[-1]
         ta, tc = tokens_per_s(row_at(results["a"], at), batch), tokens_per_s(row_at(results["c"], at), batch)
-        out.append(("(c) tokens/s >= 1.7x (a)'s at their longest common length", tc >= 1.7 * ta,
-                    f"at {at} tokens: (c) {tc:.0f} vs (a) {ta:.0f} tokens/s = {tc / ta:.2f}x"))
+        sweep = f"at {at} tokens: (c) {tc:.0f} vs (a) {ta:.0f} tokens/s = {tc / ta:.2f}x"
+        if paired and paired.get("ratios"):
+            ratios = paired["ratios"]
+            out.append(("(c) tokens/s >= 1.7x (a)'s at their longest common length", paired["ratio"] >= 1.7,
+                         f"taking turns at {paired['length']} tokens, {len(ratios)} steps each: (a)/(c) step "
+                         f"{paired['ratio']:.2f}x (median; {min(ratios):.2f}-{max(ratios):.2f}); the sweeps, "
+                         f"minutes apart: {sweep}"))
+        else:
+            out.append(("(c) tokens/s >= 1.7x (a)'s at their longest common length", tc >= 1.7 * ta,
+                        sweep + (f" (the paired run failed: {paired['error']})" if paired else "")))
     else:
         out.append(("(c) tokens/s >= 1.7x (a)'s at their longest common length", None, "no common length"))
     if a2 is not None and "e" in results and row_at(results["e"], a2):
@@ -136,7 +146,7 @@ def prediction_goals(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
-def table(model: str, results: dict, batch: int, cap_gib: float) -> str:
+def table(model: str, results: dict, batch: int, cap_gib: float, paired: dict | None = None) -> str:
     lines = [f"### {model}", "",
              "| variant | tokens | peak RSS per stage (GiB) | above baseline (GiB) | saved activations (MiB) "
              "| step (s) | tokens/s | plan |", "|---|---|---|---|---|---|---|---|"]
@@ -157,7 +167,7 @@ def table(model: str, results: dict, batch: int, cap_gib: float) -> str:
         shown = "none" if length is None else (">= " if lower else "") + str(length)
         lines.append(f"- {NAMES[variant]}: {shown} tokens (stopped: {result['stop']})")
     lines += ["", "Goals:", ""]
-    for goal, met, text in goals(results, batch):
+    for goal, met, text in goals(results, batch, paired):
         verdict = "not measured" if met is None else "met" if met else "NOT met"
         lines.append(f"- {goal}: **{verdict}** ({text})")
     return "\n".join(lines)

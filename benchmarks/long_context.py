@@ -28,7 +28,10 @@ reaches 16-32k and (e) would need 64-128k tokens, whose steps take many minutes 
 Per variant and length: peak RSS per
 stage (absolute and above the RSS before the engine was built), peak saved activations (K/V
 included), step time, tokens/s, the plan; per variant the longest sequence under the cap; then the
-goals as met / not met. Writes ``--out``.{md,json} and ``--out``.png (memory and tokens/s against
+goals as met / not met. (c)/(a) is judged on a paired measurement: after the sweeps, (a) and (c)
+take turns step by step in one pair of ranks at their longest common length (``--paired_steps``
+each; ``_long_context_paired.py``), so the load of the moment hits both alike; the sweeps' separate
+timings are shown beside it. Writes ``--out``.{md,json} and ``--out``.png (memory and tokens/s against
 length). ``--quick``: Llama only, 256 and 512 tokens, a 3 GiB cap (a smoke test: ~2 min at load 8).
 """
 
@@ -90,6 +93,26 @@ def run_variant(args, family: str, variant: str, work: str) -> dict:
     return result
 
 
+def run_paired(args, family: str, results: dict, work: str) -> dict | None:
+    """(a) and (c) taking turns in one pair of ranks at their longest common length
+    (``_long_context_paired.py``); None without a common length or with ``--paired_steps 0``."""
+    both = sorted({r["length"] for r in results.get("a", {}).get("rows", [])}
+                  & {r["length"] for r in results.get("c", {}).get("rows", [])})
+    if not both or args.paired_steps < 1:
+        return None
+    settings = {**vars(args), "family": family, "seq_len": both[-1], "work": work, "warmup": 1,
+                "steps": args.paired_steps}
+    print(f"[long_context] {family} (a) and (c) taking turns at {both[-1]} tokens, {args.paired_steps} steps each",
+          flush=True)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_long_context_paired.py")
+    try:
+        launch(worker, args.stages, [json.dumps(settings)], timeout=args.timeout)
+        with open(os.path.join(work, f"paired_{family}.json"), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (SystemExit, OSError) as err:
+        return {"length": both[-1], "error": " ".join(str(err).split())[:300]}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="Llama, 256 and 512 tokens, 3 GiB cap: a smoke test")
@@ -118,6 +141,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (microbatches of 1)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paired_steps", type=int, default=5,
+                        help="(a) and (c) taking turns at their longest common length, steps each (0: skip)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant's pair of ranks")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "long_context"))
     args = parser.parse_args(argv)
@@ -135,7 +160,7 @@ def main(argv=None) -> int:
         print("[long_context] (e) skipped: TeraPipeConfig has no memory_limit_gib yet (the memory-aware planner)")
         variants.remove("e")
     began, load = time.perf_counter(), [os.getloadavg()[0]]
-    all_results = {}
+    all_results, paired = {}, {}
     with tempfile.TemporaryDirectory(prefix="long_context_") as work:
         for family in args.models.split(","):
             all_results[family] = {}
@@ -143,16 +168,20 @@ def main(argv=None) -> int:
                 print(f"[long_context] {family} {NAMES[variant]}: lengths {lengths(args)}", flush=True)
                 all_results[family][variant] = run_variant(args, family, variant, work)
                 load.append(os.getloadavg()[0])
+            paired[family] = run_paired(args, family, all_results[family], work)
+            load.append(os.getloadavg()[0])
     report = {"settings": vars(args), "load_avg_1min": load, "seconds": time.perf_counter() - began,
-              "results": all_results,
-              "goals": {family: [{"goal": g, "met": m, "figures": t} for g, m, t in goals(results, args.batch)]
+              "results": all_results, "paired": paired,
+              "goals": {family: [{"goal": g, "met": m, "figures": t}
+                                 for g, m, t in goals(results, args.batch, paired[family])]
                         for family, results in all_results.items()}}
     header = (f"# Long context: memory and speed against sequence length\n\n"
               f"2 stages, batch {args.batch}, vocabulary {args.vocab_size}, cap {args.mem_cap_gib:g} GiB peak RSS "
               f"per rank, {args.warmup} warm-up + {args.steps} timed step(s) per length while a step takes < "
               f"{args.warmup_below_s:g} s, then {args.steps_long} and no warm-up (step: the median), 1 thread per rank; "
               f"load average (1 min) {min(load):.1f}-{max(load):.1f}; {report['seconds'] / 60:.1f} min.\n")
-    text = header + "\n\n".join(table(MODELS[f], r, args.batch, args.mem_cap_gib) for f, r in all_results.items())
+    text = header + "\n\n".join(table(MODELS[f], r, args.batch, args.mem_cap_gib, paired[f])
+                                 for f, r in all_results.items())
     write_results(args.out, report, text)
     draw(all_results, args.batch, args.mem_cap_gib, args.out + ".png")
     print(f"written: {args.out}.png")

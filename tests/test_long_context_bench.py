@@ -106,3 +106,15 @@ def test_training_peak_is_predicted_and_the_whole_run_stays_under_the_limit():
     stages[1]["peak_bytes"] = 1.2 * GIB
     goals = {name: met for name, met, _ in report.goals(results, batch=1)}
     assert goals["(e) peak RSS above the baseline (profiling included) <= memory_limit_gib"] is False
+
+
+def test_the_paired_run_decides_the_c_over_a_goal():
+    results = {"a": _result("a", [2048, 4096], CAP), "c": _result("c", [2048, 4096], CAP, step=0.5)}
+    name = "(c) tokens/s >= 1.7x (a)'s at their longest common length"
+    assert dict((n, m) for n, m, _ in report.goals(results, 1))[name] is True       # the sweeps: 2x
+    paired = {"length": 4096, "ratios": [1.5, 1.6, 1.65], "ratio": 1.6}
+    found = {n: (m, text) for n, m, text in report.goals(results, 1, paired)}
+    assert found[name][0] is False and "taking turns at 4096 tokens, 3 steps each: (a)/(c) step 1.60x" in found[name][1]
+    assert "the sweeps, minutes apart: at 4096 tokens" in found[name][1]
+    failed = {n: (m, text) for n, m, text in report.goals(results, 1, {"length": 4096, "error": "timeout"})}
+    assert failed[name][0] is True and "the paired run failed: timeout" in failed[name][1]
