@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
 from multirank import free_port
+from tp_trainer.ds_compat.shm import remove_leftovers
 
 
 def is_rank() -> bool:
@@ -62,6 +63,7 @@ def launch(script: str, world_size: int, args: list[str], timeout: float = 900) 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers in /dev/shm (RAM), ~66 MiB a rank
     failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
     if failed:
         for rank, code in failed:

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+from tp_trainer.ds_compat.shm import remove_leftovers
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -33,6 +35,8 @@ def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 60
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+        remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers in /dev/shm (RAM), ~66 MiB a rank
     failed = [(rank, proc.returncode, out) for rank, (proc, out) in enumerate(zip(procs, outputs))
               if proc.returncode != 0]
     if failed:  # every failing rank: the first to fail is often not rank 0
