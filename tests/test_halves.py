@@ -8,9 +8,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from tp_trainer.checkpoint.hf_load import stage_modules
-from tp_trainer.model.adapters import adapter_for, has_halves
+from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.halves import split_specs
+from tp_trainer.model.halves import family_halves, split_specs
 from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.slice_cache import SequenceKV
 from tp_trainer.model.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
@@ -134,8 +134,8 @@ def test_a_split_out_of_order_is_refused():
 
 def test_families_without_halves_keep_whole_blocks():
     from transformers import OPTConfig
-    assert has_halves(_gpt2().config) and has_halves(_llama().config)
-    assert not has_halves(OPTConfig())
+    assert family_halves(adapter_for(_gpt2().config)) and family_halves(adapter_for(_llama().config))
+    assert family_halves(adapter_for(OPTConfig())) is None
 
 
 # ------------------------------------------------------------------------------ costs and memory

@@ -29,7 +29,7 @@ import torch
 
 from .checkpoint import layout_free, optimizer_state
 from .config import ConfigError
-from .model.split import block_part
+from .model.split import HALF_NAMES, block_part
 from .plan import SlicePlan
 
 COMPLETE = "COMPLETE"
@@ -154,7 +154,7 @@ def same_layers(state: dict, layers: list[str]) -> bool:
     files by it). A checkpoint that did not record it had whole blocks."""
     recorded = state.get("layers")
     if recorded is None:
-        return not any(block_part(name) in ("attn", "mlp") for name in layers)
+        return not any(block_part(name) in HALF_NAMES for name in layers)
     return list(recorded) == list(layers)
 
 

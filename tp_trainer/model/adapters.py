@@ -26,11 +26,6 @@ ADAPTERS: dict[str, ModuleType] = {
 }
 
 
-def has_halves(config) -> bool:
-    """True when the family's blocks can be cut between attention and MLP (its adapter's HALVES)."""
-    return getattr(adapter_for(config), "HALVES", None) is not None
-
-
 def adapter_for(config) -> ModuleType:
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:

@@ -26,9 +26,15 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from .layers import DecoderBlock
-from .split import StageSplit, layer_names
+from .split import HALF_NAMES, StageSplit, layer_names
 
-ATTN, MLP = "attn", "mlp"   # the layer-name suffixes of the two halves: "h.3.attn", "h.3.mlp"
+ATTN, MLP = HALF_NAMES   # the layer-name suffixes of the two halves: "h.3.attn", "h.3.mlp"
+
+
+def family_halves(adapter) -> tuple | None:
+    """The adapter's HALVES (the block's children of its attention and MLP branches), or None where
+    the family's blocks stay whole."""
+    return getattr(adapter, "HALVES", None)
 
 
 class Children(nn.Module):
@@ -82,7 +88,7 @@ def split_specs(adapter, model, ctx, split: StageSplit) -> list:
     if layers != expected:
         raise ValueError(f"stage split {[list(n) for n in split.names]}: the layers must be {whole} in this "
                          f"order, each once (a block may be cut into its '{ATTN}' and '{MLP}' halves)")
-    return specs_for_layers(specs, whole, layers, getattr(adapter, "HALVES", None))
+    return specs_for_layers(specs, whole, layers, family_halves(adapter))
 
 
 def specs_for_layers(specs: list, whole_names, layers, halves) -> list:

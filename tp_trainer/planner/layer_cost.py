@@ -4,8 +4,8 @@ A model's pipeline layers are ``[*prefix, N identical blocks, *suffix]``. Three 
 on a probe model of the same config with ONE block (random weights, this device, fp32), before the
 run's own model is built: the prefix alone (token ids -> hidden), one block, and the suffix alone
 (hidden -> loss). Where the family's blocks can be cut (``model.halves``) the block is timed as its
-two halves, "attn" and "mlp" (a whole block costs their sum), and the split may cut a block;
-each part each with ``profile.profile_stage`` over the grid a stage gets (part i on rank i %
+two halves, "attn" and "mlp" (a whole block costs their sum), and the split may cut a block.
+Each part is timed with ``profile.profile_stage`` over the grid a stage gets (part i on rank i %
 world; with gloo a rank that is done computes until all are, ``profile.busy_until_all_done``). A part's fitted
 ``StageCost`` is linear in the cost features, so a stage of k blocks (plus the prefix / suffix)
 costs the sum of the parts' coefficient vectors: every split is priced without profiling it.
@@ -28,14 +28,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..model.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
+from ..model.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, split_by_cost
 from .cost_model import PipelineCost, StageCost, features, fit_line, link_line
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
 from .report import make_plan
 
 PARTS = ("prefix", "block", "suffix")
-HALF_PARTS = ("prefix", "attn", "mlp", "suffix")  # profiled where the family's blocks can be cut
+HALF_PARTS = ("prefix", *HALF_NAMES, "suffix")  # profiled where the family's blocks can be cut
 
 
 @dataclass
@@ -143,7 +143,7 @@ class LayerCosts:
         return cls(*(StageCost(**data[p]) for p in PARTS), int(data["blocks"]), tuple(data["prefix_names"]),
                    tuple(data["suffix_names"]),
                    None if memory is None else {k: PartMemory(**v) for k, v in memory.items()},
-                   *(StageCost(**data[p]) if p in data else None for p in ("attn", "mlp")))
+                   *(StageCost(**data[p]) if p in data else None for p in HALF_NAMES))
 
 
 def summed_cost(parts: list, like: StageCost) -> StageCost:
@@ -242,7 +242,7 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
     from transformers import AutoModelForCausalLM
 
     from ..model.adapters import adapter_for
-    from ..model.halves import half_spec
+    from ..model.halves import family_halves, half_spec
     from ..model.layers import SliceContext
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
@@ -251,8 +251,8 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
         model = AutoModelForCausalLM.from_config(small).to(device=device, dtype=dtype).train()
     adapter = adapter_for(small)
     ctx = SliceContext(small._attn_implementation or "sdpa")
-    tied, funcs = {}, []
-    for spec in adapter.layer_specs(model, ctx):
+    tied, funcs, specs = {}, [], adapter.layer_specs(model, ctx)
+    for spec in specs:
         if isinstance(spec, TiedLayerSpec):
             module = tied.setdefault(spec.key, spec.build())
             funcs.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
@@ -260,11 +260,10 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
             funcs.append(spec.build())
     n_pre, n_suf = len(adapter.PREFIX), len(adapter.SUFFIX)
     parts = {"prefix": funcs[:n_pre], "block": funcs[n_pre:n_pre + 1], "suffix": funcs[len(funcs) - n_suf:]}
-    halves = getattr(adapter, "HALVES", None) if halves else None
+    halves = family_halves(adapter) if halves else None
     if halves:  # the block as its two halves (the same modules), timed apart
-        block_spec = adapter.layer_specs(model, ctx)[n_pre]
-        parts = {"prefix": parts["prefix"], **{half: [half_spec(block_spec, half, halves).build()]
-                                               for half in ("attn", "mlp")}, "suffix": parts["suffix"]}
+        parts = {"prefix": parts["prefix"], **{half: [half_spec(specs[n_pre], half, halves).build()]
+                                               for half in HALF_NAMES}, "suffix": parts["suffix"]}
     return parts, ctx, adapter
 
 
