@@ -9,7 +9,7 @@ import pytest
 
 from tp_trainer.planner.cost_model import PipelineCost, StageCost
 from tp_trainer.planner.dp import plan_batch, plan_time, uniform_slices
-from tp_trainer.planner.predict import choose_plan, predict_time, with_slices
+from tp_trainer.planner.predict import candidate_plans, choose_plan, predict_time, with_slices
 from tp_trainer.planner.report import make_plan
 
 
@@ -63,7 +63,8 @@ def test_critical_cost_is_forward_backward_without_w_plus_messages():
 
 def test_chosen_plan_is_not_slower_than_any_uniform_plan_in_prediction():
     """choose_plan (what make_plan returns) is the least simulated step among its candidates, and no
-    uniform plan of 1..32 slices predicts a shorter step."""
+    uniform plan of 1..32 slices on its 8-token grid predicts a shorter step; every candidate keeps
+    that grid (a uniform plan of 1024 / 5 = 204.8 tokens once won on CI and broke it)."""
     cost = PipelineCost([w_stage(over=2e-3, step=5e-3), w_stage(f=0.8e-3, b=1.5e-3, w=0.9e-3, over=2e-3)],
                         p2p_latency=1e-4)
     plan, times = choose_plan(cost, 512, 2, 2, granularity=8, microbatch_size=1)
@@ -71,6 +72,19 @@ def test_chosen_plan_is_not_slower_than_any_uniform_plan_in_prediction():
     assert mine == pytest.approx(min(times.values()), rel=1e-12)
     assert {"DP", "DP f+b"} <= set(times)
     for n in range(1, 33):
-        assert mine <= predict_time(with_slices(512, 2, [1, 1], uniform_slices(512, n)), cost, 2) * (1 + 1e-12)
+        assert mine <= predict_time(with_slices(512, 2, [1, 1], uniform_slices(512, n, 8)), cost, 2) * (1 + 1e-12)
     made, _ = make_plan(cost, 512, 2, 2, 8, 1)
     assert made.slices == plan.slices and made.microbatch_sizes == plan.microbatch_sizes
+    chosen, times = choose_plan(cost, 1000, 2, 2, granularity=8, microbatch_size=1)
+    assert any(k.startswith("uniform:") for k in times) and all(x % 8 == 0 for x in chosen.slices[0][:-1])
+    for label, cand in candidate_plans(cost, 1000, 2, 2, granularity=8, microbatch_size=1).items():
+        assert all(sum(s) == 1000 and all(x % 8 == 0 for x in s[:-1]) for s in cand.slices), label
+
+
+def test_uniform_slices_on_a_grid():
+    assert uniform_slices(1024, 5) == (205, 205, 205, 205, 204)  # as "uniform:5" in the config
+    assert uniform_slices(1024, 5, 8) == (208, 208, 208, 200, 200)
+    assert uniform_slices(1001, 3, 8) == (336, 336, 329)  # 125 granules; the last takes 1001 % 8
+    assert uniform_slices(16, 2, 8) == (8, 8)
+    with pytest.raises(ValueError, match="at most 2"):
+        uniform_slices(16, 3, 8)

@@ -290,10 +290,18 @@ def plan_time(cost_fn, microbatch_sizes, slices, stages: int, bound_fn=None) -> 
     return float(unit.sum() + (stages - 1) * bound.max()), float(bound.max())
 
 
-def uniform_slices(seq_len: int, count: int) -> tuple[int, ...]:
-    """``count`` near-equal slices, the longer ones first (as ``"uniform:N"`` in the config)."""
-    base, extra = divmod(seq_len, count)
-    return tuple(base + 1 if j < extra else base for j in range(count))
+def uniform_slices(seq_len: int, count: int, granularity: int = 1) -> tuple[int, ...]:
+    """``count`` near-equal slices, the longer ones first (as ``"uniform:N"`` in the config); with
+    ``granularity`` g > 1 each is a multiple of g tokens (the planner's grid), the last one also takes
+    the ``seq_len % g`` left over, e.g. 1024 tokens, 5 slices, g = 8: 208 208 208 200 200."""
+    units, left = divmod(seq_len, granularity)
+    if not 1 <= count <= units:
+        raise ValueError(f"uniform_slices: {count} slices of multiples of {granularity} tokens do not fit "
+                         f"{seq_len} tokens (at most {units})")
+    base, extra = divmod(units, count)
+    slices = [(base + 1 if j < extra else base) * granularity for j in range(count)]
+    slices[-1] += left
+    return tuple(slices)
 
 
 def uniform_table(cost_fn, seq_len: int, microbatch_sizes, stages: int, counts=None,

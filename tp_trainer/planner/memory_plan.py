@@ -106,7 +106,7 @@ def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int
         cost = with_ckpt(base, ckpt)
         dp_plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size)
         plans = [("DP", dp_plan)] + [(f"uniform:{n}", with_slices(seq_len, stages, dp_plan.microbatch_sizes,
-                                                                  uniform_slices(seq_len, n)))
+                                                                  uniform_slices(seq_len, n, granularity)))
                                      for n in COUNTS if n <= seq_len // granularity]
         seen = set()  # a uniform plan equal to the DP's is the DP's
         for (label, plan), schedule in itertools.product(plans, schedules):
@@ -147,7 +147,7 @@ def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stage
 
     def least_peak(length: int) -> float:
         counts = [n for n in COUNTS if n <= max(1, length // granularity)]
-        return min(max(peaks(with_slices(length, stages, microbatch_sizes, uniform_slices(length, n)), mems,
+        return min(max(peaks(with_slices(length, stages, microbatch_sizes, uniform_slices(length, n, granularity)), mems,
                              schedule, ckpt))
                    for n in counts for schedule in ("gpipe", "1f1b") for ckpt in ckpt_choices(stages))
 

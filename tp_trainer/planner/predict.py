@@ -150,7 +150,7 @@ def candidate_plans(cost: PipelineCost, seq_len: int, batch: int, stages: int, g
     for n in sorted(n for n in wanted if n <= max(1, seq_len // granularity)):
         for split in sorted(splits):
             label = f"uniform:{n}" if len(splits) == 1 else f"uniform:{n} x {len(split)}"
-            out[label] = with_slices(seq_len, stages, split, uniform_slices(seq_len, n))
+            out[label] = with_slices(seq_len, stages, split, uniform_slices(seq_len, n, granularity))
     return out
 
 
@@ -166,7 +166,7 @@ def choose_plan(cost: PipelineCost, seq_len: int, batch: int, stages: int, granu
     A uniform winner gets ``predicted_time`` = its closed form under the DP's cost."""
     cands = candidate_plans(cost, seq_len, batch, stages, granularity, microbatch_size, uniform_microbatches)
     times = {label: predict_time(plan, cost, stages, schedule) for label, plan in cands.items()}
-    _climb_uniform(cands, times, cost, stages, schedule, max(1, seq_len // granularity))
+    _climb_uniform(cands, times, cost, stages, schedule, granularity)
     label = min(times, key=lambda k: (times[k], list(times).index(k)))
     plan = cands[label]
     if label.startswith("uniform"):
@@ -176,9 +176,11 @@ def choose_plan(cost: PipelineCost, seq_len: int, batch: int, stages: int, granu
     return plan, times
 
 
-def _climb_uniform(cands: dict, times: dict, cost: PipelineCost, stages: int, schedule: str, most: int) -> None:
+def _climb_uniform(cands: dict, times: dict, cost: PipelineCost, stages: int, schedule: str,
+                   granularity: int) -> None:
     """Add to ``cands`` / ``times`` the uniform plans one slice away from the best uniform count,
-    per microbatch split, while the simulated step falls (both directions; counts 1..``most``)."""
+    per microbatch split, while the simulated step falls (both directions; counts 1..seq_len //
+    ``granularity``, slices on the ``granularity`` grid)."""
     best = {}
     for label, plan in cands.items():
         if label.startswith("uniform") and (plan.microbatch_sizes not in best
@@ -187,10 +189,12 @@ def _climb_uniform(cands: dict, times: dict, cost: PipelineCost, stages: int, sc
     for split, label in best.items():
         plan = cands[label]
         n0, t0 = len(plan.slices[0]), times[label]
+        most = max(1, plan.seq_len // granularity)
         for direction in (1, -1):
             n, t = n0, t0
             while 1 <= n + direction <= most:
-                other = with_slices(plan.seq_len, stages, split, uniform_slices(plan.seq_len, n + direction))
+                other = with_slices(plan.seq_len, stages, split,
+                                    uniform_slices(plan.seq_len, n + direction, granularity))
                 name = label.replace(f"uniform:{n0}", f"uniform:{n + direction}", 1)
                 if name in times:
                     seconds = times[name]
