@@ -25,3 +25,14 @@ def pytest_runtest_setup(item):
             if os.environ.get("CI") == "true":
                 pytest.fail(f"CI=true: {message}", pytrace=False)
             pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _remove_shm_buffers():
+    """After each test, the /dev/shm all-reduce buffers (66 MiB a rank, RAM) that DeepSpeed's CPU
+    launches on the ports of ``multirank.free_port`` left behind (tp_trainer.ds_compat.shm)."""
+    yield
+    import multirank
+    from tp_trainer.ds_compat.shm import remove_leftovers
+    while multirank.ISSUED_PORTS:
+        remove_leftovers(multirank.ISSUED_PORTS.pop())

@@ -52,12 +52,24 @@ ROPE = {"yarn4": {"rope_type": "yarn", "factor": 4.0}, "linear2": {"rope_type": 
 ROPE_POSITIONS = 8
 
 
-def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", **overrides):
+def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", cut=False, **overrides):
+    """``cut``: the 2 stages split inside block 1, between its attention and its MLP (model/halves.py)."""
     parts = [f"pp{stages}", family, "tied" if tied else "untied", impl, *(f"{k}={v}" for k, v in overrides.items())]
     if schedule != "gpipe":
         parts.append(schedule)
+    if cut:
+        parts.append("cut")
     return {"name": "-".join(parts), "family": family, "tied": tied, "impl": impl, "stages": stages,
-            "schedule": schedule, "overrides": overrides}
+            "schedule": schedule, "cut": cut, "overrides": overrides}
+
+
+def cut_split(case: dict, config) -> list | None:
+    """The case's stage split as layer names: block 1 of 4 cut, or None (the config's split)."""
+    if not case["cut"]:
+        return None
+    from tp_trainer.model.adapters import adapter_for
+    adapter = adapter_for(config)
+    return [[*adapter.PREFIX, "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "h.3", *adapter.SUFFIX]]
 
 
 def cases(stages: int) -> list[dict]:
@@ -71,6 +83,8 @@ def cases(stages: int) -> list[dict]:
         _case("opt", True, "sdpa", word_embed_proj_dim=16),          # project_in / project_out
         _case("opt", False, "sdpa"),
         _case("opt", True, "eager", do_layer_norm_before=False),     # opt-350m style: no final norm
+        _case("opt", True, "eager", cut=True, do_layer_norm_before=False),  # OPT's own halves, post-norm
+        _case("gpt_neo", False, "eager", cut=True),
         _case("llama", True, "sdpa"),
         _case("llama", False, "sdpa"),
         _case("llama", False, "eager", schedule="1f1b"),
@@ -133,10 +147,13 @@ def ds_config(case: dict) -> dict:
 
 def main():
     stages, root, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    results = {f"{case['name']}@{key}": ph.train_case(load_model(case, root, dtype), ds_config(case),
-                                                      lambda step, replica: batches(step), STEPS,
-                                                      lambda replica: batches(EVAL_STEP))
-               for case in cases(stages) for key, dtype in DTYPES.items()}
+    results = {}
+    for case in cases(stages):
+        for key, dtype in DTYPES.items():
+            model = load_model(case, root, dtype)
+            results[f"{case['name']}@{key}"] = ph.train_case(model, ds_config(case), lambda step, replica: batches(step),
+                                                             STEPS, lambda replica: batches(EVAL_STEP),
+                                                             split=cut_split(case, model.config))
     ph.save_rank(results, out_dir)
 
 

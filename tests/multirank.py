@@ -10,10 +10,16 @@ import sys
 from tp_trainer.ds_compat.shm import remove_leftovers
 
 
+ISSUED_PORTS: list[int] = []  # conftest removes their DeepSpeed /dev/shm buffers after each test
+
+
 def free_port() -> int:
+    """A free TCP port for a launch's MASTER_PORT (recorded: see ``ISSUED_PORTS``)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    ISSUED_PORTS.append(port)
+    return port
 
 
 def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600) -> list[str]:

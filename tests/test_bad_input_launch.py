@@ -132,11 +132,8 @@ def launcher_env() -> dict:
 def deepspeed_command(*args: str) -> list[str]:
     """2 ranks on a free port: another launch on the default port (a test run beside this one)
     would otherwise meet these ranks' process group."""
-    import socket
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(port), *args]
+    from multirank import free_port
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *args]
 
 
 @pytest.fixture(scope="module")

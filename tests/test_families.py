@@ -138,6 +138,10 @@ def test_matches_hf(pipeline_results, checkpoints, case):
         return ph.reference(fw.load_model(case, checkpoints, dtype), fw.batches, fw.STEPS, fw.batches(fw.EVAL_STEP))
 
     zero_grads = fw.ZERO_GRADS.get(case["family"], ())
+    if case["cut"]:  # the stages ran the halves of block 1 (OPT: its own half layers)
+        for key in ("f64", "f32"):
+            types = {t.removeprefix("OPT") for t in pipeline_results[f"{case['name']}@{key}"]["layer_types"]}
+            assert {"AttentionHalf", "MLPHalf"} <= types, types
     exact = reference(torch.float64)
     # HF's eager attention takes the softmax in fp32 even in a float64 model
     tol = ph.F64_TOL if case["impl"] == "sdpa" else ph.F64_EAGER_TOL

@@ -82,6 +82,24 @@ def _llama():
                                         eos_token_id=0)).double()
 
 
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    torch.manual_seed(0)  # block 0 global, block 1 local with a window (4) shorter than the sequence
+    return GPTNeoForCausalLM(GPTNeoConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=50,
+                                          max_position_embeddings=32, attention_types=[[["global", "local"], 1]],
+                                          window_size=4, embed_dropout=0.0, attention_dropout=0.0,
+                                          resid_dropout=0.0, bos_token_id=0, eos_token_id=0)).double()
+
+
+def _opt(pre_norm=True):
+    from transformers import OPTConfig, OPTForCausalLM
+    torch.manual_seed(0)  # do_layer_norm_before False: opt-350m's post-norm order
+    return OPTForCausalLM(OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=48,
+                                    vocab_size=50, max_position_embeddings=32, word_embed_proj_dim=32,
+                                    do_layer_norm_before=pre_norm, dropout=0.0, attention_dropout=0.0,
+                                    layerdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=1)).double()
+
+
 def _run(layers, ctx, x, slices):
     """The layers over ``x`` (1, L, h) slice by slice, through one slice cache: (1, L, h)."""
     kv, out, start = SequenceKV(x.shape[1]), [], 0
@@ -95,15 +113,17 @@ def _run(layers, ctx, x, slices):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama-gqa"])
-def test_halves_equal_the_whole_block(make):
+@pytest.mark.parametrize("make,impl", [(_gpt2, "sdpa"), (_llama, "sdpa"), (_gpt_neo, "eager"), (_opt, "sdpa"),
+                                       (lambda: _opt(pre_norm=False), "eager")],
+                         ids=["gpt2", "llama-gqa", "gpt-neo-local", "opt", "opt-post-norm"])
+def test_halves_equal_the_whole_block(make, impl):
     model = make()
-    adapter, ctx = adapter_for(model.config), SliceContext("sdpa")
+    adapter, ctx = adapter_for(model.config), SliceContext(impl)
     n = len(adapter.PREFIX)
     cut = StageSplit.from_names([[*adapter.PREFIX, "h.0.attn"], ["h.0.mlp", "h.1.attn"], ["h.1.mlp", *adapter.SUFFIX]])
     halves = [s.build() for s in split_specs(adapter, model, ctx, cut)[n:n + 4]]
     whole = [s.build() for s in adapter.layer_specs(model, ctx)[n:n + 2]]
-    assert [type(h).__name__ for h in halves] == ["AttentionHalf", "MLPHalf"] * 2
+    assert [type(h).__name__.removeprefix("OPT") for h in halves] == ["AttentionHalf", "MLPHalf"] * 2
     x = torch.randn(1, 24, 32, dtype=torch.float64, requires_grad=True)
     got = _run(halves, ctx, x, [10, 8, 6])
     (grad_got,) = torch.autograd.grad(got.square().sum(), x)
@@ -132,10 +152,10 @@ def test_a_split_out_of_order_is_refused():
         split_specs(adapter_for(model.config), model, SliceContext(), alone)
 
 
-def test_families_without_halves_keep_whole_blocks():
-    from transformers import OPTConfig
-    assert family_halves(adapter_for(_gpt2().config)) and family_halves(adapter_for(_llama().config))
-    assert family_halves(adapter_for(OPTConfig())) is None
+def test_every_family_can_cut_its_blocks():
+    from tp_trainer.model.adapters import ADAPTERS
+    assert all(family_halves(adapter) for adapter in ADAPTERS.values())
+    assert family_halves(object()) is None  # an adapter without HALVES keeps whole blocks
 
 
 # ------------------------------------------------------------------------------ costs and memory

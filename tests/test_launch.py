@@ -93,20 +93,15 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
 
 
 def launch(tmp_path, *flags, config=TINY):
-    """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log.
-
-    Then removes the CPU all-reduce buffers DeepSpeed left in /dev/shm (tp_trainer/ds_compat/shm.py)."""
+    """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log (conftest
+    removes the CPU all-reduce buffers DeepSpeed leaves in /dev/shm, tp_trainer/ds_compat/shm.py)."""
     from multirank import free_port
-
-    from tp_trainer.ds_compat.shm import remove_leftovers
-    port = free_port()
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "launch/train.py",
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", config, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
-    remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers (66 MiB per rank, RAM) outlive the run
     return log
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+from multirank import free_port
 from small_run import small_config
 
 from tp_trainer.config import ConfigError
@@ -17,7 +18,8 @@ needs_launcher = pytest.mark.requires_command("deepspeed")  # conftest: a failur
 
 
 def train(config, out, *flags, fault=None):
-    cmd = ["deepspeed", "--num_gpus", "2", "launch/train.py", "--deepspeed_config", config, "--max_steps", "6",
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
+           "--deepspeed_config", config, "--max_steps", "6",
            "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TP_TRAINER_FAULT", None)

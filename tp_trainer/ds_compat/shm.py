@@ -9,8 +9,9 @@ never unlinks them, so each launch leaves 66 MiB per rank in /dev/shm, which is 
 Each rank unlinking its own file after a barrier at start-up (every rank has mapped every file by
 then) would free it however the process ends. Tried in session 4: 1 of 3 launches of a bad-input
 test then aborted at interpreter exit ("terminate called without an active exception"), against 0 of
-5 without, so the run does not do it. Launchers that know their port remove what a finished launch left (``remove_leftovers``; the
-launcher tests do).
+5 without, so the run does not do it. Launchers that know their port remove what a finished launch
+left (``remove_leftovers``): benchmarks/_ranks.py, and the tests after each test (tests/conftest.py,
+for every port ``multirank.free_port`` gave out).
 """
 
 from __future__ import annotations

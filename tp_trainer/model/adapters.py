@@ -7,6 +7,8 @@ An adapter module provides:
     HALVES (optional)        the block's children of its attention and MLP branches, e.g. GPT-2's
                              (("ln_1", "attn"), ("ln_2", "mlp")): a measured split may then put a
                              stage boundary inside a block (``halves.py``)
+    HALF_LAYERS (optional)   the two half layers, where the block does more than h + attn(norm(h))
+                             and h + mlp(norm(h)) (OPT: dropout, post-norm)
 Adding a family = one file with those three names + one line in ``ADAPTERS``.
 """
 

@@ -13,6 +13,8 @@ eager attention applies its own causal / local-window ``bias`` buffer aligned to
 keys (rows key_len - q_len .. key_len), which is the slice's offset positions when the keys are
 the slice cache's [0, start + length); the additive mask passed here repeats the same pattern
 (with ``window_size`` for the layers ``config.attention_layers`` marks "local").
+A measured split may cut a block at a stage boundary into h.i.attn (ln_1, attn) and h.i.mlp (ln_2,
+mlp): ``HALVES``, see halves.py (GPTNeoBlock sums its branches as GPT2Block does).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .specs import embed_and_head_specs
 
 PREFIX = ("embed", "pos")
 SUFFIX = ("norm", "head")
+HALVES = (("ln_1", "attn"), ("ln_2", "mlp"))  # GPTNeoBlock's two residual branches (model.halves)
 
 
 def layer_specs(model, ctx: SliceContext) -> list:

@@ -9,7 +9,8 @@ Why: with whole blocks on 2 stages the busier stage can only be balanced to with
 block. GPT-2 4 x 256 at 4096 tokens was busy 1.625 s / 2.337 s (2 blocks | 2 blocks + head), a
 ceiling of 1.70x over one stage's work; the attention branch alone is 1/3 to 2/3 of a block.
 
-A family whose adapter names these children (``HALVES = ((norm_1, attn), (norm_2, mlp))``) lets
+A family whose adapter names these children (``HALVES = ((norm_1, attn), (norm_2, mlp))``; the
+children of each branch, in the order the block calls them) lets
 ``model.split`` place a boundary between the two branches: the layer ``h.i.attn`` runs the first
 residual branch, ``h.i.mlp`` the second. A block whose halves share a stage stays one layer ``h.i``
 (the HF block's own forward), so only the block at a boundary is cut.
@@ -17,7 +18,9 @@ residual branch, ``h.i.mlp`` the second. A block whose halves share a stage stay
 The halves call the HF block's own submodules in the block's order, with the arguments the block
 passes them; the residual sums are the same additions, so the results are the whole block's bit for
 bit. Each half holds just its children (``Children``, HF names kept): parameter names, loading,
-export and the optimizer see the submodules the stage holds and no others.
+export and the optimizer see the submodules the stage holds and no others. A family whose block does
+more than these two sums (OPT: dropout, a post-norm variant) also names its own half layers,
+``HALF_LAYERS = (attention half class, MLP half class)``, subclasses of the two here.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ def family_halves(adapter) -> tuple | None:
 
 
 class Children(nn.Module):
-    """Some children of an HF block, under their own names (the modules themselves, not copies)."""
+    """Some children of an HF block, under their own names (the modules themselves, not copies).
+    ``block``: the whole HF block, kept unregistered (its other children are not this half's), for
+    a family's half layer that reads the block's settings (e.g. OPT's ``do_layer_norm_before``)."""
 
     def __init__(self, block: nn.Module, names):
         super().__init__()
         for name in names:
             self.add_module(name, getattr(block, name))
+        object.__setattr__(self, "block", block)
 
 
 class AttentionHalf(DecoderBlock):
@@ -64,15 +70,21 @@ class MLPHalf(DecoderBlock):
         return hidden + mlp(norm(hidden))
 
 
-def half_spec(block_spec: LayerSpec, half: str, halves) -> LayerSpec:
+def half_spec(block_spec: LayerSpec, half: str, halves, classes=(AttentionHalf, MLPHalf)) -> LayerSpec:
     """The LayerSpec of one half (``ATTN`` or ``MLP``) of the block that ``block_spec`` (a
-    ``DecoderBlock`` spec of the adapter) wraps; ``halves``: the adapter's HALVES."""
+    ``DecoderBlock`` spec of the adapter) wraps; ``halves``: the adapter's HALVES; ``classes``: its
+    HALF_LAYERS (``half_layers``)."""
     block, hf_name, ctx = block_spec.module_args[:3]
     if half == ATTN:
-        return LayerSpec(AttentionHalf, Children(block, halves[0]), hf_name, ctx, **block_spec.module_kwargs)
+        return LayerSpec(classes[0], Children(block, halves[0]), hf_name, ctx, **block_spec.module_kwargs)
     if half == MLP:
-        return LayerSpec(MLPHalf, Children(block, halves[1]), hf_name, ctx)
+        return LayerSpec(classes[1], Children(block, halves[1]), hf_name, ctx)
     raise ValueError(f"a block has the halves {ATTN!r} and {MLP!r}, not {half!r}")
+
+
+def half_layers(adapter) -> tuple:
+    """The adapter's HALF_LAYERS, else (AttentionHalf, MLPHalf)."""
+    return getattr(adapter, "HALF_LAYERS", (AttentionHalf, MLPHalf))
 
 
 def split_specs(adapter, model, ctx, split: StageSplit) -> list:
@@ -88,10 +100,10 @@ def split_specs(adapter, model, ctx, split: StageSplit) -> list:
     if layers != expected:
         raise ValueError(f"stage split {[list(n) for n in split.names]}: the layers must be {whole} in this "
                          f"order, each once (a block may be cut into its '{ATTN}' and '{MLP}' halves)")
-    return specs_for_layers(specs, whole, layers, family_halves(adapter))
+    return specs_for_layers(specs, whole, layers, family_halves(adapter), half_layers(adapter))
 
 
-def specs_for_layers(specs: list, whole_names, layers, halves) -> list:
+def specs_for_layers(specs: list, whole_names, layers, halves, classes=(AttentionHalf, MLPHalf)) -> list:
     """The LayerSpecs of ``layers`` (a split's layer names in order, e.g. [..., "h.2.attn",
     "h.2.mlp", ...]) from the adapter's ``specs`` of the whole-block list ``whole_names``."""
     index = {name: i for i, name in enumerate(whole_names)}
@@ -104,7 +116,7 @@ def specs_for_layers(specs: list, whole_names, layers, halves) -> list:
         if block not in index or not halves:
             raise ValueError(f"layer {name!r} is not one of {list(whole_names)} or a half of a block of a "
                              f"family whose adapter names its HALVES")
-        out.append(half_spec(specs[index[block]], half, halves))
+        out.append(half_spec(specs[index[block]], half, halves, classes))
     return out
 
 

@@ -16,11 +16,18 @@ Order as in ``OPTDecoder.forward``: project_in runs before the positions are add
 have hidden_size), so stage 0 already sends hidden_size activations. OPT has no embedding dropout;
 ``config.dropout`` acts inside the decoder layers. Optional slots are pass-throughs so that every OPT
 checkpoint has the same layer names.
+A measured split may cut a block at a stage boundary into h.i.attn (self_attn_layer_norm, self_attn)
+and h.i.mlp (final_layer_norm, fc1, activation_fn, fc2): ``HALVES`` / ``HALF_LAYERS``, see halves.py;
+the two half layers below repeat ``OPTDecoderLayer.forward``'s two residual branches, dropout and the
+post-norm order of ``do_layer_norm_before=False`` included.
 """
 
 from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec
+from torch import nn
+
+from .halves import AttentionHalf, MLPHalf
 
 from .layers import (
     DecoderBlock,
@@ -34,6 +41,35 @@ from .specs import embed_and_head_specs
 
 PREFIX = ("embed", "proj_in", "pos")
 SUFFIX = ("norm", "proj_out", "head")
+HALVES = (("self_attn_layer_norm", "self_attn"), ("final_layer_norm", "fc1", "activation_fn", "fc2"))
+
+
+class OPTAttentionHalf(AttentionHalf):
+    """hidden + dropout(self_attn(norm(hidden))) (pre-norm), or norm(hidden + dropout(self_attn(hidden)))
+    with ``do_layer_norm_before`` False (opt-350m): (b, l, h) -> (b, l, h)."""
+
+    def forward(self, hidden):
+        layer, block = self.inner, self.inner.block
+        x = layer.self_attn_layer_norm(hidden) if block.do_layer_norm_before else hidden
+        x, _ = layer.self_attn(hidden_states=x, **self.attention_kwargs(hidden))
+        x = hidden + nn.functional.dropout(x, p=block.dropout, training=self.training)
+        return x if block.do_layer_norm_before else layer.self_attn_layer_norm(x)
+
+
+class OPTMLPHalf(MLPHalf):
+    """hidden + dropout(fc2(act(fc1(norm(hidden))))) per token, or the post-norm order: (b, l, h) -> (b, l, h)."""
+
+    def forward(self, hidden):
+        layer, block = self.inner, self.inner.block
+        shape = hidden.shape
+        residual = hidden.reshape(-1, shape[-1])  # as OPTDecoderLayer: the MLP on (tokens, h)
+        x = layer.final_layer_norm(residual) if block.do_layer_norm_before else residual
+        x = layer.fc2(layer.activation_fn(layer.fc1(x)))
+        x = (residual + nn.functional.dropout(x, p=block.dropout, training=self.training)).view(shape)
+        return x if block.do_layer_norm_before else layer.final_layer_norm(x)
+
+
+HALF_LAYERS = (OPTAttentionHalf, OPTMLPHalf)
 
 
 def _optional(cls, module, hf_name, ctx):
