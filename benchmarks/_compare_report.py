@@ -43,12 +43,15 @@ def summarize_run(args, res: dict) -> dict:
     med = {n: statistics.median(v) for n, v in steps.items()}
     probe = [r["probe"] for r in sorted(res["ranks"], key=lambda r: r["stage"])]
     probe_ideal = max(p["together"] for p in probe)  # the busiest stage's units, all stages computing
+    # the same in (c)'s schedule order (a probe of an older result file has no such figure)
+    order_ideal = max(p.get("order_together", float("nan")) for p in probe)
     best_b = min((n for n in res["names"] if n.startswith("(b)")), key=med.get, default=None)
     return {"median_s": med, "min_s": {n: min(v) for n, v in steps.items()}, "step_s": steps,
             "c_over_a": med[A] / med[C],
             "c_over_a_paired": statistics.median(a / c for a, c in zip(steps[A], steps[C], strict=True)),
             "eff_vs_a": med[A] / k / med[C], "eff_vs_d": med[D] / k / med[C],
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
+            "eff_vs_probe_order": order_ideal / med[C],
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
             "profile_load": res.get("profile_load"), "splits": res.get("splits", {}),
@@ -99,7 +102,8 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
     lines += ["", (f"(c)/(a) throughput, median (min-max) over {len(runs)} runs: {_spread(ratio)}; "
                    f"efficiency of (c) vs (a)/K {_spread([r['eff_vs_a'] for r in runs])}, vs (d)/K "
                    f"{_spread([r['eff_vs_d'] for r in runs])}, vs the stage probe "
-                   f"{_spread([r['eff_vs_probe'] for r in runs])}"),
+                   f"{_spread([r['eff_vs_probe'] for r in runs])}, vs the stage probe in step order "
+                   f"{_spread([r.get('eff_vs_probe_order', float('nan')) for r in runs])}"),
               *([f"(c') whole blocks over (c) (a block cut where it balances better), paired per-step ratio: "
                  f"{_spread([r['whole_over_cut_paired'] for r in runs])} (median (min-max) over runs; > 1: the cut "
                  f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]
@@ -132,8 +136,12 @@ def _probe_line(run: dict) -> str:
     probe = run["probe"]
     parts = ", ".join(f"stage {i} {p['together']:.3f} s (fastest {p['together_min']:.3f}, alone "
                       f"{p['alone']:.3f})" for i, p in enumerate(probe))
+    order = ", ".join(f"stage {i} {p['order_together']:.3f} s (fastest {p['order_together_min']:.3f}, alone "
+                      f"{p['order_alone']:.3f})" for i, p in enumerate(probe) if "order_together" in p)
     return (f"stage probe (last run; each stage's units of (c)'s plan, fwd + bwd + weight gradients, all stages "
-            f"at once, median of {probe[0]['rounds']}): {parts}")
+            f"at once, median of {probe[0]['rounds']}): per unit (as the planner profiles) {parts}"
+            + (f"; in (c)'s schedule order, messages left out (every activation and K/V held until its "
+               f"backward, as in the step) {order}" if order else ""))
 
 
 def _prediction_line(run: dict) -> str:

@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compare_report import A, C, D, WHOLE, render, summarize_run
 from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
@@ -193,26 +195,70 @@ def flush_seconds(engine) -> float:
 
 
 def stage_probe(engine, args, rounds: int = 7) -> dict:
-    """This stage's share of a (c) step, timed the way the step runs it: forward + backward of every
-    unit of (c)'s plan (slice j attending to its context), plus the deferred weight gradients, with
-    every other rank waiting at a barrier ("alone") and with all ranks computing at once ("together",
-    as in the step: what sharing this machine's cores costs). Median and fastest of ``rounds``."""
+    """This stage's share of a (c) step, compute only, two ways, each with every other rank waiting at
+    a barrier ("alone") and with all ranks computing at once ("together", as in the step: what sharing
+    this machine's cores costs); median and fastest of ``rounds``:
+      - per unit (``together``, ``alone``): forward + backward of every unit of (c)'s plan (slice j
+        attending to its context) one unit at a time, then the deferred weight gradients: the way
+        the planner profiles a unit, its data still in cache;
+      - in step order (``order_together``, ``order_alone``): the stage's ForwardSlice /
+        BackwardSlice / WeightGrad instructions of (c)'s own schedule, in its order, without the
+        messages: every forward's activations and K/V held until its backward, as in the step."""
     import torch.distributed as tdist
 
     from tp_trainer.planner.profile import StageRunner
     runner = StageRunner(engine.module, engine.slice_context, args.n_embd, args.seq_len)
     plan = engine.plan
     units = [(plan.slices[j], plan.offsets[j]) for _ in range(plan.microbatches) for j in range(plan.num_slices)]
-    rank, world, out = tdist.get_rank(), tdist.get_world_size(), {"alone": [], "together": []}
+    ways = {"": lambda: sum(sum(runner.run(plan.microbatch_size, length, context)) for length, context in units)
+            + flush_seconds(engine), "order_": lambda: in_step_order(engine, runner)}
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    out = {f"{way}{kind}": [] for way in ways for kind in ("alone", "together")}
     for _ in range(rounds):
-        for turn in (*range(world), "all"):
-            tdist.barrier()
-            if turn in ("all", rank):
-                seconds = sum(sum(runner.run(plan.microbatch_size, length, context)) for length, context in units)
-                out["together" if turn == "all" else "alone"].append(seconds + flush_seconds(engine))
+        for way, run in ways.items():
+            for turn in (*range(world), "all"):
+                tdist.barrier()
+                if turn in ("all", rank):
+                    out[f"{way}{'together' if turn == 'all' else 'alone'}"].append(run())
     tdist.barrier()
-    return {"alone": statistics.median(out["alone"]), "together": statistics.median(out["together"]),
-            "together_min": min(out["together"]), "rounds": rounds}
+    return {**{key: statistics.median(values) for key, values in out.items()},
+            **{f"{key}_min": min(values) for key, values in out.items() if key.endswith("together")},
+            "rounds": rounds}
+
+
+def in_step_order(engine, runner) -> float:
+    """Seconds of this stage's compute instructions of (c)'s schedule run in its order, messages left
+    out: random inputs and output gradients, made before the clock starts, stand in for those received."""
+    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.schedule.instructions import BackwardSlice, ForwardSlice, WeightGrad
+    plan, ctx, store = engine.plan, engine.slice_context, engine.weight_grads
+    compute = [c for step in engine._train_schedule() for c in step
+               if isinstance(c, (ForwardSlice, BackwardSlice, WeightGrad))]
+    inputs = {(c.microbatch, c.slice): runner.unit_input(plan.microbatch_size, plan.slices[c.slice])
+              for c in compute if isinstance(c, ForwardSlice)}
+    grads = {key: torch.randn(*x.shape[:2], runner.hidden, device=runner.device, dtype=runner.dtype)
+             for key, x in inputs.items()}
+    kv = {m: SequenceKV(runner.seq_len) for m in range(plan.microbatches)}
+    outputs, start = {}, time.perf_counter()
+    for cmd in compute:
+        m, j = cmd.microbatch, cmd.slice
+        if isinstance(cmd, WeightGrad):
+            if store is not None:
+                store.flush((m, j))
+            continue
+        ctx.begin(kv[m], plan.offsets[j], plan.slices[j])
+        if isinstance(cmd, ForwardSlice):
+            outputs[(m, j)] = runner.forward(inputs.pop((m, j)))
+            continue
+        if store is not None:
+            store.unit = (m, j)  # as the engine's BackwardSlice: the deferred layers keep (x, dy) for W
+        out = outputs.pop((m, j))
+        out.backward(None if out.dim() == 0 else grads[(m, j)])
+        if store is not None:
+            store.unit = None
+    seconds = time.perf_counter() - start
+    flush_seconds(engine)  # nothing is left where every B had its W
+    return seconds
 
 
 def main() -> None:

@@ -289,7 +289,7 @@ def _forward(runner, ctx, kv, l, c, checkpointed: bool):
     funcs, labels = list(runner.funcs), None
     if checkpointed:
         labels = _fuse_head(funcs)
-    x = runner._input(1, l)
+    x = runner.unit_input(1, l)
     ctx.begin(kv, c, l)
     if labels is not None:
         labels.labels = torch.randint(0, 2, (1, l), device=runner.device)

@@ -72,29 +72,36 @@ class StageRunner:
         self.weight_grads: DeferredWeightGrads | None = None  # set: backward = B, then W timed apart
         self.last_weight_s = 0.0  # W seconds of the last run (included in its backward)
 
-    def _input(self, b: int, l: int):
+    def unit_input(self, b: int, l: int):
+        """A random input of b x l tokens: token ids (b, l) on the first stage, else an activation
+        (b, l, hidden) that requires grad."""
         if self.vocab is not None:
             return torch.randint(0, self.vocab, (b, l), device=self.device)
         return torch.randn(b, l, self.hidden, device=self.device, dtype=self.dtype).requires_grad_()
 
-    def run(self, b: int, l: int, c: int) -> tuple[float, float]:
-        """(forward s, backward s) of one unit."""
-        kv = self.kv.setdefault(b, _FilledKV(self.seq_len))
-        x = self._input(b, l)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        self.ctx.begin(kv, c, l)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's output for ``x`` (``unit_input``) in the slice ``ctx.begin`` set: the loss (a
+        scalar, random labels) on the last stage, else the activation (b, l, hidden)."""
         out = x
         for func in self.funcs:
             out = func(out)
-        last = out.shape[-1] != self.hidden
-        if last:
+        if out.shape[-1] != self.hidden:
             labels = torch.randint(0, out.shape[-1], out.shape[:2], device=out.device)
             out = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), labels.flatten(),
-                                                    reduction="sum") / (b * self.seq_len)
+                                                    reduction="sum") / (x.shape[0] * self.seq_len)
+        return out
+
+    def run(self, b: int, l: int, c: int) -> tuple[float, float]:
+        """(forward s, backward s) of one unit."""
+        kv = self.kv.setdefault(b, _FilledKV(self.seq_len))
+        x = self.unit_input(b, l)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.ctx.begin(kv, c, l)
+        out = self.forward(x)
         _sync(self.device)
         t1 = time.perf_counter()
-        out.backward(None if last else torch.randn_like(out))
+        out.backward(None if out.dim() == 0 else torch.randn_like(out))
         _sync(self.device)
         if self.weight_grads is not None:  # the stage's W of this unit (model/weight_grad.py)
             t2 = time.perf_counter()
