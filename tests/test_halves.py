@@ -159,6 +159,12 @@ def test_every_family_can_cut_its_blocks():
 
 
 # ------------------------------------------------------------------------------ costs and memory
+def test_the_profile_times_a_family_s_own_half_layers():
+    from tp_trainer.planner.layer_cost import probe_parts
+    parts, _, _ = probe_parts(_opt(pre_norm=False).config)
+    assert [type(f).__name__ for f in parts["attn"] + parts["mlp"]] == ["OPTAttentionHalf", "OPTMLPHalf"]
+
+
 def test_costs_and_memory_of_halves_add_up_to_a_block():
     import numpy as np
     from tp_trainer.planner.cost_model import FEATURES, StageCost
