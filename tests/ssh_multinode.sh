@@ -108,9 +108,12 @@ printf 'PATH=%s\nOMP_NUM_THREADS=1\nHF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\nTOK
     "$PATH" > "$work/ds_env"
 
 # on one machine: save step 2 (and 4)
-OMP_NUM_THREADS=1 deepspeed --num_gpus 1 --master_port "$(free_port)" launch/train.py \
+save_port=$(free_port)
+OMP_NUM_THREADS=1 deepspeed --num_gpus 1 --master_port "$save_port" launch/train.py \
     --deepspeed_config "$config1" --max_steps 4 --save_interval 2 "${flags[@]}" > "$work/save.log" 2>&1 \
     || { tail -30 "$work/save.log" >&2; echo "error: the saving run failed" >&2; exit 1; }
+# DeepSpeed's CPU all-reduce buffer of that one-machine launch (66 MiB of RAM; tp_trainer/ds_compat/shm.py)
+rm -f "/dev/shm/deepspeed_allreduce_buffer_$(id -u)_127.0.0.1_${save_port}_"*
 mv "$work/run/train_log.jsonl" "$work/save_log.jsonl"
 
 # on two "machines": DeepSpeed's default runner, ssh + pdsh

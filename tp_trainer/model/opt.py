@@ -28,7 +28,6 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from .halves import AttentionHalf, MLPHalf
-
 from .layers import (
     DecoderBlock,
     FinalNorm,
