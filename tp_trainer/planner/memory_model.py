@@ -31,13 +31,8 @@ A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own sche
                  its linear layers' inputs and output gradients until its W: per token 16 hidden
                  values per block (inputs 7h, output gradients 9h of the 4 projections) and the
                  suffix's saved bytes (the logits' gradient)
-    checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only each
-                 layer's input, hidden bytes a token per block layer (the first one's is the
-                 received activation) and the suffix's, plus the prefix's token ids; the measured
-                 per-part ``kept_*`` is not used for this: RSS growth over a short forward counts the
-                 input twice, and a whole block measured as its halves would also count the
-                 activation between them (Llama 4 x 256 at 32768 tokens: 0.57 / 0.69 GiB predicted
-                 against 0.45 / 0.49 measured; with inputs only 0.42 / 0.47)
+    checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only its
+                 parts' kept bytes
 Peak = static + the highest in-flight + backward figure over the schedule.
 """
 
@@ -101,7 +96,7 @@ class StageMemory:
     kv: float
     block_token: float
     block_pair: float
-    kept_token: float      # checkpointed: bytes kept per token (the layers' inputs + the prefix's ids)
+    kept_token: float      # checkpointed: bytes kept per token (blocks' inputs + prefix / suffix saved)
     input_token: float     # bytes per token of the received activation (later stages)
     w_token: float = 0.0   # bytes per token kept from a unit's B to its deferred W
     held: tuple = ()
@@ -110,8 +105,8 @@ class StageMemory:
     mask_pair: float = 0.0      # bytes per (query, key) pair of a slice's attention mask (see mask_bytes)
 
     def saved(self, b, l, c, ckpt: bool) -> float:
-        if ckpt:  # kept_token holds the received input (the first checkpointed layer's)
-            return b * l * (self.kept_token + self.output_token)
+        if ckpt:
+            return b * l * (self.kept_token + self.input_token + self.output_token)
         return b * (l * (self.token + self.input_token + self.output_token) + self.pair * l * (c + l))
 
     def weight_token(self, ckpt: bool) -> float:
@@ -135,8 +130,10 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
     blocks = len(kinds)   # layers that keep their input when checkpointed (blocks and halves)
     ends = ([parts["prefix"]] if first else []) + ([parts["suffix"]] if last else [])
     held = [p for kind in kinds for p in _block_parts(parts, kind)] + ends
-    # checkpointed: each layer keeps its input; the first stage's blocks start from the prefix's output
-    kept = (blocks + (1 if last else 0)) * hidden_bytes + (parts["prefix"].token if first else 0.0)
+    if all(p.kept_token >= 0 for p in held):
+        kept = sum(p.kept_token for p in held)
+    else:
+        kept = blocks * hidden_bytes + sum(p.token for p in ends)
     # the blocks' linear inputs and output gradients, a token (halves: their share of the 16)
     w_blocks = sum(W_HIDDENS[kind] for kind in kinds) * hidden_bytes
     w_head = parts["suffix"].token if last else 0.0  # the logits' gradient (the fused head loss: none)
