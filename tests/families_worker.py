@@ -151,9 +151,9 @@ def main():
     for case in cases(stages):
         for key, dtype in DTYPES.items():
             model = load_model(case, root, dtype)
-            results[f"{case['name']}@{key}"] = ph.train_case(model, ds_config(case), lambda step, replica: batches(step),
-                                                             STEPS, lambda replica: batches(EVAL_STEP),
-                                                             split=cut_split(case, model.config))
+            results[f"{case['name']}@{key}"] = ph.train_case(
+                model, ds_config(case), lambda step, replica: batches(step), STEPS,
+                lambda replica: batches(EVAL_STEP), split=cut_split(case, model.config))
     ph.save_rank(results, out_dir)
 
 

@@ -147,8 +147,8 @@ def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stage
 
     def least_peak(length: int) -> float:
         counts = [n for n in COUNTS if n <= max(1, length // granularity)]
-        return min(max(peaks(with_slices(length, stages, microbatch_sizes, uniform_slices(length, n, granularity)), mems,
-                             schedule, ckpt))
+        return min(max(peaks(with_slices(length, stages, microbatch_sizes, uniform_slices(length, n, granularity)),
+                             mems, schedule, ckpt))
                    for n in counts for schedule in ("gpipe", "1f1b") for ckpt in ckpt_choices(stages))
 
     def longest(limit: float) -> int:
