@@ -70,21 +70,18 @@ class MLPHalf(DecoderBlock):
         return hidden + mlp(norm(hidden))
 
 
-def half_spec(block_spec: LayerSpec, half: str, halves, classes=(AttentionHalf, MLPHalf)) -> LayerSpec:
+def half_spec(block_spec: LayerSpec, half: str, adapter) -> LayerSpec:
     """The LayerSpec of one half (``ATTN`` or ``MLP``) of the block that ``block_spec`` (a
-    ``DecoderBlock`` spec of the adapter) wraps; ``halves``: the adapter's HALVES; ``classes``: its
-    HALF_LAYERS (``half_layers``)."""
+    ``DecoderBlock`` spec of ``adapter``) wraps: the adapter's HALVES children in its HALF_LAYERS
+    classes (default ``AttentionHalf`` / ``MLPHalf``)."""
+    halves = family_halves(adapter)
+    attention, mlp = getattr(adapter, "HALF_LAYERS", (AttentionHalf, MLPHalf))
     block, hf_name, ctx = block_spec.module_args[:3]
     if half == ATTN:
-        return LayerSpec(classes[0], Children(block, halves[0]), hf_name, ctx, **block_spec.module_kwargs)
+        return LayerSpec(attention, Children(block, halves[0]), hf_name, ctx, **block_spec.module_kwargs)
     if half == MLP:
-        return LayerSpec(classes[1], Children(block, halves[1]), hf_name, ctx)
+        return LayerSpec(mlp, Children(block, halves[1]), hf_name, ctx)
     raise ValueError(f"a block has the halves {ATTN!r} and {MLP!r}, not {half!r}")
-
-
-def half_layers(adapter) -> tuple:
-    """The adapter's HALF_LAYERS, else (AttentionHalf, MLPHalf)."""
-    return getattr(adapter, "HALF_LAYERS", (AttentionHalf, MLPHalf))
 
 
 def split_specs(adapter, model, ctx, split: StageSplit) -> list:
@@ -100,12 +97,12 @@ def split_specs(adapter, model, ctx, split: StageSplit) -> list:
     if layers != expected:
         raise ValueError(f"stage split {[list(n) for n in split.names]}: the layers must be {whole} in this "
                          f"order, each once (a block may be cut into its '{ATTN}' and '{MLP}' halves)")
-    return specs_for_layers(specs, whole, layers, family_halves(adapter), half_layers(adapter))
+    return specs_for_layers(specs, whole, layers, adapter)
 
 
-def specs_for_layers(specs: list, whole_names, layers, halves, classes=(AttentionHalf, MLPHalf)) -> list:
+def specs_for_layers(specs: list, whole_names, layers, adapter) -> list:
     """The LayerSpecs of ``layers`` (a split's layer names in order, e.g. [..., "h.2.attn",
-    "h.2.mlp", ...]) from the adapter's ``specs`` of the whole-block list ``whole_names``."""
+    "h.2.mlp", ...]) from ``adapter``'s ``specs`` of the whole-block list ``whole_names``."""
     index = {name: i for i, name in enumerate(whole_names)}
     out = []
     for name in layers:
@@ -113,10 +110,10 @@ def specs_for_layers(specs: list, whole_names, layers, halves, classes=(Attentio
             out.append(specs[index[name]])
             continue
         block, _, half = name.rpartition(".")
-        if block not in index or not halves:
+        if block not in index or not family_halves(adapter):
             raise ValueError(f"layer {name!r} is not one of {list(whole_names)} or a half of a block of a "
                              f"family whose adapter names its HALVES")
-        out.append(half_spec(specs[index[block]], half, halves, classes))
+        out.append(half_spec(specs[index[block]], half, adapter))
     return out
 
 

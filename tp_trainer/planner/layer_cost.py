@@ -242,7 +242,7 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
     from transformers import AutoModelForCausalLM
 
     from ..model.adapters import adapter_for
-    from ..model.halves import family_halves, half_layers, half_spec
+    from ..model.halves import family_halves, half_spec
     from ..model.layers import SliceContext
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
@@ -260,10 +260,8 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
             funcs.append(spec.build())
     n_pre, n_suf = len(adapter.PREFIX), len(adapter.SUFFIX)
     parts = {"prefix": funcs[:n_pre], "block": funcs[n_pre:n_pre + 1], "suffix": funcs[len(funcs) - n_suf:]}
-    halves = family_halves(adapter) if halves else None
-    if halves:  # the block as its two halves (the same modules), timed apart
-        classes = half_layers(adapter)
-        parts = {"prefix": parts["prefix"], **{half: [half_spec(specs[n_pre], half, halves, classes).build()]
+    if halves and family_halves(adapter):  # the block as its two halves (the same modules), timed apart
+        parts = {"prefix": parts["prefix"], **{half: [half_spec(specs[n_pre], half, adapter).build()]
                                                for half in HALF_NAMES}, "suffix": parts["suffix"]}
     return parts, ctx, adapter
 
