@@ -158,3 +158,35 @@ def test_footprint_guard_scales_by_what_it_measured():
         assert float(held[-1]) == 1.0
     assert guard.scale > 4, guard.scale
     assert not guard.allows(1, 32 * 1024, 0) and guard.allows(1, 1024, 0)
+
+
+def test_checkpointed_layers_keep_their_inputs_once():
+    """Checkpointed, each pipeline layer keeps its input: a whole block measured as its two halves keeps
+    the first half's input only (the second's lies inside the checkpointed block), a cut block's
+    halves keep one each; the received activation is the first layer's input, not counted again."""
+    halves = {"prefix": replace(PARTS["prefix"], kept_token=8.0),
+              "attn": replace(PARTS["block"], kept_token=1030.0),
+              "mlp": replace(PARTS["block"], kv=0.0, kept_token=1040.0),
+              "suffix": replace(PARTS["suffix"], kept_token=2048.0)}
+    whole = stage_memory(halves, ["h.2", "h.3", *SUFFIX], 1024.0, first=False, last=True)
+    assert whole.kept_token == pytest.approx(2 * (1030.0 + 1040.0 - 1024.0) + 2048.0)
+    cut = stage_memory(halves, [*PREFIX, "h.0", "h.1.attn"], 1024.0, first=True, last=False)
+    assert cut.kept_token == pytest.approx(8.0 + (1030.0 + 1040.0 - 1024.0) + 1030.0)
+    # a unit keeps the kept bytes and the stage's output (sent on, kept for its backward), no input again
+    assert whole.saved(2, 100, 300, ckpt=True) == pytest.approx(2 * 100 * whole.kept_token)
+    assert cut.saved(1, 100, 0, ckpt=True) == pytest.approx(100 * (cut.kept_token + 1024.0))
+
+
+def test_context_term_and_the_per_plan_tables():
+    """A backward's peak grows with the whole context (the K/V gradients of c + l tokens) at any
+    slice length; the per-plan tables (rotary cos / sin, positions) are held once per distinct slice."""
+    part = replace(PARTS["block"], back_fixed=0.0, back_token=10.0, back_ctx=512.0, plan_token=264.0)
+    assert part.transient(1, 64, 4032, ckpt=False) == pytest.approx(64 * 10.0 + 512.0 * 4096)
+    assert part.transient(2, 64, 0, ckpt=False) == pytest.approx(2 * (64 * 10.0 + 512.0 * 64))
+    parts = {**PARTS, "block": part}
+    mem = stage_memory(parts, split().names[0], 1024.0, first=True, last=False)
+    assert mem.plan_token == 264.0
+    plan = with_slices(64, 2, [1, 1], (16,) * 4)   # 2 microbatches, the same 4 slices: 64 tokens of tables
+    steps = plan_schedules(plan, 2, "gpipe")[0]
+    bare = stage_peak(replace(mem, plan_token=0.0), steps, plan_units(plan), 64, ckpt=False)
+    assert stage_peak(mem, steps, plan_units(plan), 64, ckpt=False) == pytest.approx(bare + 264.0 * 64)

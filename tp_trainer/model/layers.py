@@ -81,6 +81,22 @@ class SliceContext:
         self._mask_bytes += nbytes
         return self.per_plan(key, make)
 
+    def held_tensors(self, masks: bool) -> list:
+        """The tensors this context holds (per plan and for the current slice): the attention masks
+        (``masks``) or everything else (rotary cos / sin, position ids). The memory model counts the
+        masks from their shapes and the rest per token (``planner.memory_model``)."""
+        def tensors(value) -> list:
+            if torch.is_tensor(value):
+                return [value]
+            return [t for v in value for t in tensors(v)] if isinstance(value, (tuple, list)) else []
+        kinds = ("mask", "span mask")
+        held = [*self._per_plan.items(), *(((0, 0, *k), v) for k, v in self._per_slice.items())]
+        return [t for k, v in held if (k[2] in kinds) == masks for t in tensors(v)]
+
+    def held_bytes(self, masks: bool) -> int:
+        """Bytes of ``held_tensors(masks)``."""
+        return sum(t.nbytes for t in self.held_tensors(masks))
+
     def span(self, window: int | None = None) -> SliceSpan:
         """The ``attention_mask`` of a redirected SDPA block (``attention.SliceSpan``), one per slice."""
         return self.per_slice(("span", window), lambda: SliceSpan(self.start, self.length, window, self))

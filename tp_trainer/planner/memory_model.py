@@ -8,12 +8,18 @@ Measured per part (prefix, one block or its two halves, suffix: ``layer_cost``'s
                attention scores when an attention path materializes them (0 when it does not)
     kv         bytes of the K/V buffers and their gradient accumulators per token of the sequence
     back_*     the peak of the part's backward above what its forward left live (gradients of the
-               input and parameters, kernel temporaries): fixed + token l + pair l (c + l)
-    kept_token bytes a checkpointed part keeps per token (its input; K/V excluded)
+               input and parameters, kernel temporaries): fixed + token l + ctx (c + l) + pair
+               l (c + l); ctx: the attention's gradients of the whole context's K/V, which the
+               backward of every slice makes (measured: 1.0-1.1 x the context's K/V bytes, any l)
+    kept_token bytes a checkpointed part keeps per token: its input and whatever else it keeps (K/V,
+               its output and the slice context's masks / rotary tables excluded)
+    plan_token bytes per token of a slice that the slice context keeps per plan besides the masks
+               (rotary cos / sin, position ids): built once per slice and kept across steps
     ckpt_*     the peak of a checkpointed part's backward (its forward again + gradients) above
-               what it kept: fixed + token l + pair l (c + l). The suffix, checkpointed, is measured
-               on the fused LM-head loss (``model.head_loss``, what the engine runs on a
-               checkpointed last stage): the suffix's plain and checkpointed terms are its two paths.
+               what it kept: fixed + token l + ctx (c + l) + pair l (c + l). The suffix,
+               checkpointed, is measured on the fused LM-head loss (``model.head_loss``, what the
+               engine runs on a checkpointed last stage): its plain and checkpointed terms are its
+               two paths.
 Peaks are RSS high-water marks above the RSS before the backward, measured with ``memory.leaned``
 (freed memory goes back to the OS, so RSS follows the bytes in use); -1: not measured (a cost file
 from before), the older estimates are used then (backward: the unit's saved bytes again;
@@ -21,6 +27,8 @@ checkpointed: a block's input per block + the ends' saved, backward twice a bloc
 A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own schedule
 (``stage_peak``: the same instruction lists the engine executes):
     static       parameters + gradients + AdamW's two moments = 4 x the parameter bytes
+    plan caches  the masks (``mask_bytes``) and the other per-plan tables: plan_token (the largest
+                 of the stage's parts: its blocks share one table) a token of every distinct slice
     in flight    every forward unit (b sequences, slice l after context c) adds b (token l + pair
                  l (c + l)) + the received input b l hidden x itemsize on later stages, until its
                  backward; a microbatch's K/V (b x seq x kv) lives from its first forward to the
@@ -32,7 +40,8 @@ A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own sche
                  values per block (inputs 7h, output gradients 9h of the 4 projections) and the
                  suffix's saved bytes (the logits' gradient)
     checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only its
-                 parts' kept bytes
+                 parts' kept bytes (they include each layer's input: the first one's is the
+                 received activation) and the stage's output
 Peak = static + the highest in-flight + backward figure over the schedule.
 """
 
@@ -69,12 +78,15 @@ class PartMemory:
     ckpt_token: float = 0.0
     ckpt_pair: float = 0.0
     fused_head: float = 0.0   # 1: the checkpointed terms were measured on the fused LM-head loss
+    back_ctx: float = 0.0
+    ckpt_ctx: float = 0.0
+    plan_token: float = 0.0
 
     def transient(self, b, l, c, ckpt: bool) -> float | None:
         """The measured backward peak of one unit above its live bytes (None: not measured)."""
-        fixed, token, pair = ((self.ckpt_fixed, self.ckpt_token, self.ckpt_pair) if ckpt
-                              else (self.back_fixed, self.back_token, self.back_pair))
-        return None if fixed < 0 else fixed + b * (token * l + pair * l * (c + l))
+        fixed, token, ctx, pair = ((self.ckpt_fixed, self.ckpt_token, self.ckpt_ctx, self.ckpt_pair) if ckpt
+                                   else (self.back_fixed, self.back_token, self.back_ctx, self.back_pair))
+        return None if fixed < 0 else fixed + b * (token * l + ctx * (c + l) + pair * l * (c + l))
 
     def unit_bytes(self, b, l, c, seq_len: int) -> float:
         """Predicted peak bytes of one plain unit of this part alone (the profile's footprint at the
@@ -96,17 +108,18 @@ class StageMemory:
     kv: float
     block_token: float
     block_pair: float
-    kept_token: float      # checkpointed: bytes kept per token (blocks' inputs + prefix / suffix saved)
+    kept_token: float      # checkpointed: bytes kept per token (the parts' kept: the layers' inputs, ...)
     input_token: float     # bytes per token of the received activation (later stages)
     w_token: float = 0.0   # bytes per token kept from a unit's B to its deferred W
     held: tuple = ()
     w_token_ckpt: float = -1.0  # the same, checkpointed (the fused head loss computes its own W); -1: w_token
     output_token: float = 0.0   # bytes per token of the stage's output, kept for its backward (not last)
     mask_pair: float = 0.0      # bytes per (query, key) pair of a slice's attention mask (see mask_bytes)
+    plan_token: float = 0.0     # bytes per token of a distinct slice in the context's other per-plan tables
 
     def saved(self, b, l, c, ckpt: bool) -> float:
-        if ckpt:
-            return b * l * (self.kept_token + self.input_token + self.output_token)
+        if ckpt:  # the measured kept bytes hold the received input (the first checkpointed layer's)
+            return b * l * (self.kept_token + self.output_token)
         return b * (l * (self.token + self.input_token + self.output_token) + self.pair * l * (c + l))
 
     def weight_token(self, ckpt: bool) -> float:
@@ -131,7 +144,7 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
     ends = ([parts["prefix"]] if first else []) + ([parts["suffix"]] if last else [])
     held = [p for kind in kinds for p in _block_parts(parts, kind)] + ends
     if all(p.kept_token >= 0 for p in held):
-        kept = sum(p.kept_token for p in held)
+        kept = sum(_kept_token(parts, kind, hidden_bytes) for kind in kinds) + sum(p.kept_token for p in ends)
     else:
         kept = blocks * hidden_bytes + sum(p.token for p in ends)
     # the blocks' linear inputs and output gradients, a token (halves: their share of the 16)
@@ -144,13 +157,21 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
                        kept_token=kept, input_token=0.0 if first else hidden_bytes,
                        w_token=w_blocks + w_head, held=tuple({id(p): p for p in held}.values()),
                        w_token_ckpt=w_blocks + (0.0 if parts["suffix"].fused_head else w_head),
-                       output_token=0.0 if last else hidden_bytes, mask_pair=mask_pair)
+                       output_token=0.0 if last else hidden_bytes, mask_pair=mask_pair,
+                       plan_token=max(p.plan_token for p in held))
 
 
 # hidden-sized values per token a deferred W keeps of a block's linear layers: inputs 7h (q/k/v h,
 # out h, fc h, proj 4h) and output gradients 9h (q/k/v 3h, out h, fc 4h, proj h); attention half
 # 2h + 4h, MLP half 5h + 5h
 W_HIDDENS = {"block": 16.0, "attn": 6.0, "mlp": 10.0}
+
+
+def _kept_token(parts: dict, kind: str, hidden_bytes: float) -> float:
+    """Bytes a token a checkpointed block layer of ``kind`` keeps. A whole block measured as its halves
+    keeps the first half's input only: the second half's input lies inside the checkpointed block."""
+    held = _block_parts(parts, kind)
+    return sum(p.kept_token for p in held) - hidden_bytes * (len(held) - 1)
 
 
 def _block_parts(parts: dict, kind: str) -> list:
@@ -165,7 +186,8 @@ def stage_peak(memory: StageMemory, steps, units: dict, seq_len: int, ckpt: bool
     of instructions); ``units[(m, j)] = (b, l, c)``. ``trace``: a list that gets (instruction, live
     bytes after it, peak so far) per instruction, static bytes included."""
     cached, uncached = mask_bytes(memory.mask_pair, units)
-    live = peak = cached   # the masks kept per plan live across steps
+    tables = memory.plan_token * sum(l for l, _ in {(l, c) for _, l, c in units.values()})
+    live = peak = cached + tables   # the masks and rotary / position tables kept per plan live across steps
     started = set()
     deferred = {(ins.microbatch, ins.slice) for step in steps for ins in step if isinstance(ins, WeightGrad)}
     for step in steps:
@@ -229,42 +251,45 @@ def plan_units(plan) -> dict:
 # ------------------------------------------------------------------------------------ measuring
 
 def measure_part(funcs, ctx, hidden: int, seq_len: int, points=None) -> PartMemory:
-    """The part's PartMemory: over (l, c) points (slices of at most 2 x POINT_TOKENS), bytes its
-    forward saves (fitted token l + pair l (c + l)), its backward's peak above that, what it keeps
-    checkpointed and that backward's peak (fixed + token l + pair l (c + l)); K/V bytes per sequence
-    token; parameter bytes. RSS peaks are taken with the heap leaned (``memory.leaned``). Leaves no
-    gradients behind, restores the RNG."""
+    """The part's PartMemory: over (l, c) points (slices of at most 2 x POINT_TOKENS; one short
+    slice at the end of the sequence, where the context term shows), bytes its forward saves (fitted
+    token l + pair l (c + l)), its backward's peak above that, what it keeps checkpointed and that
+    backward's peak (fixed + token l + ctx (c + l) + pair l (c + l)); K/V bytes per sequence token;
+    the slice context's per-plan tables a token; parameter bytes. RSS peaks are taken with the heap
+    leaned (``memory.leaned``). Leaves no gradients behind, restores the RNG."""
     from ..memory import leaned
     from .profile import StageRunner
     runner = StageRunner(funcs, ctx, hidden, seq_len)
     quarter = max(1, min(seq_len // 4, POINT_TOKENS))
-    points = points or [(max(1, quarter // 2), 0), (quarter, 0), (quarter, seq_len - quarter),
-                        (2 * quarter, seq_len - 2 * quarter)]
+    short = max(1, quarter // 2)
+    points = points or [(short, 0), (quarter, 0), (quarter, seq_len - quarter),
+                        (2 * quarter, seq_len - 2 * quarter), (short, seq_len - short)]
     rows = []
     rng = torch.random.get_rng_state()
     with leaned():
         for l, c in points:
-            saved, kv_token, back = _plain_unit(runner, ctx, l, c)
+            saved, kv_token, back, tables = _plain_unit(runner, ctx, l, c)
             kept, ckpt = _checkpointed_unit(runner, ctx, l, c)
-            rows.append((l, l * (c + l), saved, back, kept, ckpt))
+            rows.append((l, c + l, l * (c + l), saved, back, kept, ckpt, tables))
     torch.random.set_rng_state(rng)
     data = np.asarray([[v if v is not None else np.nan for v in row] for row in rows], dtype=float)
-    token, pair = _fit(data[:, :2], data[:, 2], fixed=False)
+    token, pair = _fit(data[:, [0, 2]], data[:, 3], fixed=False)
     params = float(sum(p.numel() * p.element_size() for p in runner.params))
     out = PartMemory(params, token, pair, float(kv_token))
-    if np.isnan(data[:, 3:]).any():  # no VmHWM here: the older estimates
+    if np.isnan(data[:, 4:]).any():  # no VmHWM here: the older estimates
         return out
-    back = _fit(data[:, :2], data[:, 3], fixed=True)
-    kept = float(max(0.0, np.max(data[:, 4] / data[:, 0])))
-    ckpt = _fit(data[:, :2], data[:, 5], fixed=True)
+    back = _fit(data[:, :3], data[:, 4], fixed=True)
+    kept = float(max(0.0, np.max(data[:, 5] / data[:, 0])))
+    ckpt = _fit(data[:, :3], data[:, 6], fixed=True)
     fused = float(_fuse_head(list(runner.funcs)) is not None)
-    return replace(out, back_fixed=back[2], back_token=back[0], back_pair=back[1], kept_token=kept, fused_head=fused,
-                   ckpt_fixed=ckpt[2], ckpt_token=ckpt[0], ckpt_pair=ckpt[1])
+    return replace(out, back_fixed=back[3], back_token=back[0], back_ctx=back[1], back_pair=back[2], kept_token=kept,
+                   fused_head=fused, ckpt_fixed=ckpt[3], ckpt_token=ckpt[0], ckpt_ctx=ckpt[1], ckpt_pair=ckpt[2],
+                   plan_token=float(np.max(data[:, 7] / data[:, 0])))
 
 
 def _fit(x, y, fixed: bool):
-    """Non-negative least squares of y on the columns (l, l (c + l)) [+ 1 with ``fixed``], over every
-    subset of the columns (a handful): (token, pair[, fixed])."""
+    """Non-negative least squares of y on the columns of ``x`` (e.g. l, c + l, l (c + l)) [+ 1 with
+    ``fixed``], over every subset of the columns (a handful): their coefficients[, fixed]."""
     cols = np.column_stack([x, np.ones(len(x))]) if fixed else x
     best, best_err = np.zeros(cols.shape[1]), np.inf
     for mask in itertools.product((False, True), repeat=cols.shape[1]):
@@ -323,32 +348,40 @@ def _backward_peak(runner, out) -> float | None:
 
 
 def _plain_unit(runner, ctx, l, c):
-    """(bytes saved for backward outside K/V, K/V bytes per sequence token, backward peak above)."""
+    """(bytes saved for backward outside K/V, K/V bytes per sequence token, backward peak above, bytes
+    the slice context's per-plan tables other than masks grew by: the first unit run at (l, c))."""
     from ..memory import ActivationTracker
     from ..model.slice_cache import SequenceKV
     kv, tracker = SequenceKV(runner.seq_len), ActivationTracker(runner.params)
+    tables = ctx.held_bytes(masks=False)
     with tracker.track():
         out, x = _forward(runner, ctx, kv, l, c, checkpointed=False)
+    tables = max(0, ctx.held_bytes(masks=False) - tables)
     buffers = [t for tensors in kv.layers.values() for t in tensors]
-    saved = tracker.live - tracker.bytes_of(buffers)
+    saved = tracker.live - tracker.bytes_of(buffers + ctx.held_tensors(masks=False))
     kv_token = sum(t.nbytes for t in buffers) / runner.seq_len
     back = _backward_peak(runner, out)
     del out, x, kv
-    return saved, kv_token, back
+    return saved, kv_token, back, tables
 
 
 def _checkpointed_unit(runner, ctx, l, c):
-    """(bytes a checkpointed unit keeps: RSS growth over its forward less K/V and output, plus its
-    input; the backward's peak above that). None, None without VmHWM."""
+    """(bytes a checkpointed unit keeps: RSS growth over its forward, which made its input, less its
+    output and what the slice context's tables grew by; the backward's peak above that). A first
+    forward of the same unit allocates the K/V buffers and builds the context's tables, so the growth
+    holds none of them (which pages of a fresh buffer are resident depends on the allocator). None,
+    None without VmHWM."""
     from ..memory import current_rss_mb, release_freed
     from ..model.slice_cache import SequenceKV
     kv = SequenceKV(runner.seq_len)
+    _forward(runner, ctx, kv, l, c, checkpointed=True)  # its output and graph dropped at once
     release_freed()
-    start = current_rss_mb()
+    start, masks, tables = current_rss_mb(), ctx.held_bytes(masks=True), ctx.held_bytes(masks=False)
     out, x = _forward(runner, ctx, kv, l, c, checkpointed=True)
+    release_freed()
     grown = (current_rss_mb() - start) * 2 ** 20
-    buffers = [t for tensors in kv.layers.values() for t in tensors]
-    kept = max(0.0, grown - sum(t.nbytes for t in buffers) - out.nbytes) + x.nbytes
+    masks, tables = ctx.held_bytes(masks=True) - masks, ctx.held_bytes(masks=False) - tables
+    kept = max(0.0, grown - out.nbytes - masks - tables)
     back = _backward_peak(runner, out)
     del out, x, kv
     return (kept, back) if back is not None else (None, None)
