@@ -275,6 +275,7 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device, halves=halves)
+    mask_pair = torch.empty(0).element_size()  # the parts run in float32: their masks too
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
     for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
@@ -282,7 +283,7 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
         memory = measure_part(parts[name], ctx, config.hidden_size, seq_len)
         cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
                              max(budget, 0.0), desc=f"profile {name} (rank {rank})",
-                             footprint=lambda b, l, c: memory.unit_bytes(b, l, c, seq_len),
+                             footprint=lambda b, l, c: memory.unit_bytes(b, l, c, seq_len, mask_pair),
                              max_bytes=max_unit_bytes)
         out[name] = (cost, memory)
     busy_until_all_done(mlp_filler(config.hidden_size))  # the parts measured with every rank computing, as in the step

@@ -88,12 +88,15 @@ class PartMemory:
                                    else (self.back_fixed, self.back_token, self.back_ctx, self.back_pair))
         return None if fixed < 0 else fixed + b * (token * l + ctx * (c + l) + pair * l * (c + l))
 
-    def unit_bytes(self, b, l, c, seq_len: int) -> float:
+    def unit_bytes(self, b, l, c, seq_len: int, mask_pair: float = 0.0) -> float:
         """Predicted peak bytes of one plain unit of this part alone (the profile's footprint at the
-        point (b, l, c)): what its forward saves, the sequence's K/V and its backward's peak above that."""
+        point (b, l, c)): what its forward saves, the sequence's K/V, its backward's peak above that
+        and, for a part with attention after the first slice, the slice's l x (c + l) mask of
+        ``mask_pair`` bytes a pair (the profile's long slices: 1 GiB at l = 8192, c + l = 32768)."""
         saved = b * (self.token * l + self.pair * l * (c + l))
         back = self.transient(b, l, c, ckpt=False)
-        return saved + b * seq_len * self.kv + (saved if back is None else back)
+        mask = mask_pair * l * (c + l) if self.kv > 0 and c > 0 else 0.0
+        return saved + b * seq_len * self.kv + (saved if back is None else back) + mask
 
 
 @dataclass(frozen=True)
