@@ -89,9 +89,9 @@ class SliceContext:
             if torch.is_tensor(value):
                 return [value]
             return [t for v in value for t in tensors(v)] if isinstance(value, (tuple, list)) else []
-        kinds = ("mask", "span mask")
-        held = [*self._per_plan.items(), *(((0, 0, *k), v) for k, v in self._per_slice.items())]
-        return [t for k, v in held if (k[2] in kinds) == masks for t in tensors(v)]
+        kinds = ("mask", "span mask")   # keys: (start, length, kind, ...) per plan, (kind, ...) per slice
+        held = [(k[2], v) for k, v in self._per_plan.items()] + [(k[0], v) for k, v in self._per_slice.items()]
+        return [t for kind, v in held if (kind in kinds) == masks for t in tensors(v)]
 
     def held_bytes(self, masks: bool) -> int:
         """Bytes of ``held_tensors(masks)``."""

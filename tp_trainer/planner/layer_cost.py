@@ -275,7 +275,7 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device, halves=halves)
-    mask_pair = torch.empty(0).element_size()  # the parts run in float32: their masks too
+    mask_pair = torch.empty(0, dtype=torch.float32).element_size()  # probe_parts' dtype: the masks' too
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
     for k, name in enumerate(mine):  # a part that finishes early leaves its time to the next
