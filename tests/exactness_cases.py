@@ -47,20 +47,28 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
+    if stages == 2:  # one block's attention shared by both stages (model/kv_handoff.py): slices
+        # starting before token 8 ([7, 5, 3, 1]: the first two) run it on stage 0, the others on stage 1
+        out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8)
+                for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
     return out
 
 
+# h.1's attention on both stages, shared by slices
+SHARED_SPLIT = [["embed", "pos", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "h.2", "norm", "head"]]
 # with cut blocks: the 3 blocks of tiny_model, cut at each boundary (a stage may hold half a block only)
 CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm", "head"]],
               3: [["embed", "pos", "h.0.attn"], ["h.0.mlp", "h.1", "h.2.attn"], ["h.2.mlp", "norm", "head"]]}
 
 
 def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
-          cut=False):
+          cut=False, shared=0):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
-    return {"name": base + ("-cut" if cut else "") + ("-ckpt" if ckpt else "") + ("" if zb else "-nozb"),
-            "same_as": base if ckpt or not zb or cut else None, "split": CUT_SPLITS[stages] if cut else None,
+    split = ({"names": SHARED_SPLIT, "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
+    return {"name": base + ("-shared" if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
+            + ("" if zb else "-nozb"),
+            "same_as": base if ckpt or not zb or cut else None, "split": split,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
             "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb}
 

@@ -67,7 +67,7 @@ def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, sl
     }
 
 
-def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None) -> dict:
+def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None, export=None) -> dict:
     """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step, replica)`` gives the
     step's microbatches [(input_ids, labels), ...] of a data-parallel replica, ``eval_batches(replica)``
     those evaluated after training.
@@ -76,12 +76,17 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     before the data-parallel reduction (after the tied-weight one, before clipping), its parameters
     after the last step, the losses train_batch returned, the last stage's own loss of each step in
     the model's dtype (``exact_losses``: DeepSpeed broadcasts the loss in fp32), the eval loss.
-    ``split``: layer names per stage (``StageSplit.from_names``; default the config's split).
+    ``split``: layer names per stage (``StageSplit.from_names``; default the config's split), or
+    {"names": ..., "shared_after": ...} for an attention half two stages share (model/kv_handoff.py).
+    ``export``: a directory the trained pipeline is saved to as an HF checkpoint (``save_hf_checkpoint``).
     """
     from tp_trainer.initialize import initialize
     from tp_trainer.model.pipeline import hf_named_parameters
     from tp_trainer.model.split import StageSplit
-    split = StageSplit.from_names(split) if split is not None else None
+    if isinstance(split, dict):
+        split = StageSplit.from_names(split["names"], split["shared_after"])
+    elif split is not None:
+        split = StageSplit.from_names(split)
 
     engine, *_ = initialize(model, config, split=split)
     named = hf_named_parameters(engine.module)
@@ -107,6 +112,9 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
             exact_losses.append(float(engine.dp_group_loss))
     params = {n: p.detach().clone() for n, p in named.items()}
     eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
+    if export is not None:
+        from tp_trainer.checkpoint import save_hf_checkpoint
+        save_hf_checkpoint(engine, export, model.config)
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,

@@ -26,13 +26,26 @@ ALL_CASES = [case for world in WORLDS for case in ec.cases(world)]
 
 @pytest.fixture(scope="module")
 def pipeline_results(tmp_path_factory):
-    """{"<case name>@f64" / "@f32": results merged over the ranks of its launch}."""
-    merged = {}
+    """{"<case name>@f64" / "@f32": results merged over the ranks of its launch}; "_dirs": the
+    launches' output directories (a shared half's cases export there)."""
+    merged = {"_dirs": []}
     for world in WORLDS:
         out_dir = tmp_path_factory.mktemp(f"world{world}")
         run_ranks(WORKER, world, [str(world), str(out_dir)], timeout=600)
         merged.update(harness.merge_ranks(out_dir, world))
+        merged["_dirs"].append(out_dir)
     return merged
+
+
+def exported(pipeline_results, case, key) -> dict:
+    """The HF checkpoint a case exported: {name: tensor} over its safetensors shards."""
+    from safetensors.torch import load_file
+    for out_dir in pipeline_results["_dirs"]:
+        directory = os.path.join(out_dir, f"hf-{case['name']}@{key}")
+        if os.path.isdir(directory):
+            return {n: t for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
+                    for n, t in load_file(os.path.join(directory, f)).items()}
+    raise AssertionError(f"{case['name']}@{key}: no export")
 
 
 def reference(case, dtype) -> dict:
@@ -52,9 +65,15 @@ def test_matches_hf(pipeline_results, case):
     print(report + " | fp32 distance/allowed " + " ".join(f"{k} {v:.2f}" for k, v in worst32.items()))
     for key in case["dtypes"]:  # a checkpointed last stage runs its head and loss fused (model/head_loss.py)
         assert pipeline_results[f"{case['name']}@{key}"]["fused_head_loss"] == case["ckpt"], key
-    for key in case["dtypes"]:  # a cut case's stages run the halves of model/halves.py
-        types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]
-        assert ({"AttentionHalf", "MLPHalf"} <= types) == bool(case["split"]), (key, sorted(types))
+    if isinstance(case["split"], dict):  # the export holds the trained weights, a shared half's once
+        for key in case["dtypes"]:
+            saved, trained = exported(pipeline_results, case, key), pipeline_results[f"{case['name']}@{key}"]["params"]
+            assert saved.keys() == trained.keys()
+            assert all(torch.equal(tensor, trained[name]) for name, tensor in saved.items())
+    for key in case["dtypes"]:  # a cut case's stages run the halves of model/halves.py, a shared
+        types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]  # one its kv_handoff.py layers
+        half = "SharedAttention" if isinstance(case["split"], dict) else "AttentionHalf"
+        assert ({half, "MLPHalf"} <= types) == bool(case["split"]), (key, sorted(types))
     if case["same_as"]:  # checkpointing, cut blocks, W in the backward change nothing: same loss and grads
         for key in case["dtypes"]:
             got, plain = pipeline_results[f"{case['name']}@{key}"], pipeline_results[f"{case['same_as']}@{key}"]

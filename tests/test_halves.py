@@ -185,7 +185,7 @@ def test_costs_and_memory_of_halves_add_up_to_a_block():
         layers.attn.forward, layers.mlp.forward)])
     again = LayerCosts.from_dict(layers.to_dict())
     assert again.halves and again.attn == layers.attn and again.names() == layers.names()
-    layout = plan_layout(layers, 4096, 1, 2, granularity=256)
+    layout = plan_layout(layers, 4096, 1, 2, granularity=256, shared=False)  # (kv_handoff: test_kv_handoff)
     assert layout.split.layers() in ([*PREFIX, "h.0", "h.1", "h.2.attn", "h.2.mlp", "h.3", *SUFFIX],
                                      layer_names(4, PREFIX, SUFFIX))
     assert sum(layout.busy) == pytest.approx(sum(layers.layer_seconds(layout.plan)))

@@ -194,8 +194,9 @@ def materialize_stage(model, stages: int, checkpoint: str | None, seed: int = 0,
         modules[name].to(dtype=dtype).to_empty(device=device)
     report = LoadReport(stage=stage, source=directory, modules=sorted(modules))
     if directory is None:
-        for name in sorted(fresh):
-            _seeded_init(model, name, modules[name], seed)
+        units = _seed_units(model, fresh)
+        for unit in sorted(set(units.values())):
+            _seeded_unit_init(model, unit, seed, held=[modules[n] for n, u in units.items() if u == unit])
     else:
         for name in fresh:
             _recompute_buffers(model, modules[name])
@@ -205,6 +206,31 @@ def materialize_stage(model, stages: int, checkpoint: str | None, seed: int = 0,
     report.names = sorted(f"{m}.{t}" for m, module in modules.items() for t in persistent_tensors(module))
     report.seconds = time.perf_counter() - began
     return report
+
+
+def _seed_units(model, names) -> dict[str, str]:
+    """Each module name -> the module a seeded init draws for as one unit: the module a 1-stage
+    pipeline holds that contains it (a whole block, though a split may cut it in halves or share a
+    half between stages), so the weights do not depend on the split."""
+    whole = stage_modules(model, 1, 0)
+    return {name: next((unit for unit in whole if name == unit or name.startswith(unit + ".")), name)
+            for name in names}
+
+
+def _seeded_unit_init(model, unit: str, seed: int, held: list) -> None:
+    """``_seeded_init`` of the module ``unit``, of which this stage holds the submodules ``held``
+    (materialized): its other parts are materialized for the draw, then put back on meta."""
+    module = model.get_submodule(unit)
+    if any(part is module for part in held):
+        _seeded_init(model, unit, module, seed)
+        return
+    like = next(t for part in held for t in (*part.parameters(), *part.buffers()))
+    others = [child for child in module.children() if _is_meta(child) and all(child is not part for part in held)]
+    for child in others:
+        child.to(dtype=like.dtype).to_empty(device=like.device)
+    _seeded_init(model, unit, module, seed)
+    for child in others:
+        child.to_empty(device="meta")
 
 
 def _is_meta(module: nn.Module) -> bool:

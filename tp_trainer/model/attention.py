@@ -141,6 +141,8 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                                       **kwargs)
     span = attention_mask
+    if getattr(span.source, "keys_only", False):  # kv_handoff: only k, v are wanted from this call
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if fast_path(query, key, span, dropout, kwargs):
         out = _SliceAttention.apply(query, key, value, span, scaling)
         return out.transpose(1, 2).contiguous(), None

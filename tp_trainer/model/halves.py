@@ -89,15 +89,21 @@ def split_specs(adapter, model, ctx, split: StageSplit) -> list:
     or with the blocks at a boundary cut in halves (``split_by_cost(..., halves=True)``)."""
     specs = adapter.layer_specs(model, ctx)
     whole = layer_names(len(specs) - len(adapter.PREFIX) - len(adapter.SUFFIX), adapter.PREFIX, adapter.SUFFIX)
-    layers = split.layers()
+    layers, shared = split.layers(), split.shared()
     if layers == whole:
         return specs
-    cut = {name for name in whole if f"{name}.{ATTN}" in layers or f"{name}.{MLP}" in layers}
+    once = list(dict.fromkeys(layers))   # a shared attention half is named on two stages
+    cut = {name for name in whole if f"{name}.{ATTN}" in once or f"{name}.{MLP}" in once}
     expected = [part for name in whole for part in ((f"{name}.{ATTN}", f"{name}.{MLP}") if name in cut else (name,))]
-    if layers != expected:
+    if once != expected:
         raise ValueError(f"stage split {[list(n) for n in split.names]}: the layers must be {whole} in this "
                          f"order, each once (a block may be cut into its '{ATTN}' and '{MLP}' halves)")
-    return specs_for_layers(specs, whole, layers, adapter)
+    out = specs_for_layers(specs, whole, layers, adapter)
+    if shared is not None:
+        from .kv_handoff import shared_specs
+        at = split.parts[shared[0] + 1] - 1   # the front stage's last layer; the back's first follows
+        out[at:at + 2] = shared_specs(out[at], shared[1], split.shared_after)
+    return out
 
 
 def specs_for_layers(specs: list, whole_names, layers, adapter) -> list:

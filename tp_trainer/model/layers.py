@@ -35,6 +35,7 @@ class SliceContext:
         self._per_slice: dict = {}
         self._per_plan: dict = {}
         self._mask_bytes = 0
+        self.keys_only = False   # set while a shared attention half only stores a slice's K/V (kv_handoff)
 
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length

@@ -44,16 +44,32 @@ class StageSplit:
     parts: tuple[int, ...]
     costs: tuple[float, ...]
     unit: str = "/token"  # what ``costs`` count: "/token" (estimate) or " s/step" (measured)
+    # > 0: the attention half that ends one stage and begins the next (the same name on both) is
+    # shared by slices (model/kv_handoff.py): slices starting at or after this token run it on the
+    # front stage, the earlier ones on the back stage
+    shared_after: int = 0
 
     @classmethod
-    def from_names(cls, names) -> "StageSplit":
+    def from_names(cls, names, shared_after: int = 0) -> "StageSplit":
         """A split given as layer names per stage, e.g. [["embed", "pos", "h.0", "h.1.attn"],
-        ["h.1.mlp", "h.2", "norm", "head"]] (costs unknown: 0)."""
+        ["h.1.mlp", "h.2", "norm", "head"]] (costs unknown: 0); ``shared_after``: see the field."""
         names = tuple(tuple(stage) for stage in names)
         parts = [0]
         for stage in names:
             parts.append(parts[-1] + len(stage))
-        return cls(names, tuple(parts), (0.0,) * len(names), " (given)")
+        return cls(names, tuple(parts), (0.0,) * len(names), " (given)", shared_after)
+
+    def shared(self) -> tuple[int, str] | None:
+        """(the front stage, the layer name) of the attention half two stages share, or None."""
+        pairs = [(s, a[-1]) for s, (a, b) in enumerate(zip(self.names, self.names[1:])) if a[-1] == b[0]]
+        if not self.shared_after and not pairs:
+            return None
+        if (self.shared_after <= 0 or len(pairs) != 1 or block_part(pairs[0][1]) != HALF_NAMES[0]
+                or len(self.layers()) != len(set(self.layers())) + 1):
+            raise ValueError(f"stage split {[list(n) for n in self.names]} (shared_after={self.shared_after}): "
+                             f"a shared attention half is one 'h.i.{HALF_NAMES[0]}' that ends one stage and "
+                             f"begins the next, with shared_after > 0; every other layer is held once")
+        return pairs[0]
 
     def layers(self) -> list[str]:
         """The pipeline layer list of this split (every stage's names in order)."""
@@ -61,8 +77,13 @@ class StageSplit:
 
     def describe(self) -> str:
         """One line: the layers of each stage and its cost."""
-        return " | ".join(f"stage {s}: {_short(names)} ({cost:.3g}{self.unit})"
+        line = " | ".join(f"stage {s}: {_short(names)} ({cost:.3g}{self.unit})"
                           for s, (names, cost) in enumerate(zip(self.names, self.costs)))
+        shared = self.shared()
+        if shared is None:
+            return line
+        return (f"{line}; {shared[1]} shared by stages {shared[0]} and {shared[0] + 1}: the slices from token "
+                f"{self.shared_after} on run it on stage {shared[0]}, the earlier ones on stage {shared[0] + 1}")
 
 
 PREFIX = ("embed",)          # generic defaults; each family's adapter passes its own names

@@ -162,7 +162,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if rank == 0:
         try:
             result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
-                            latency, per_byte, meta, memory_limit, overhead, profiled)]
+                            latency, per_byte, meta, memory_limit, overhead, profiled, shares_attention(config))]
         except NoPlanFits as err:
             result = [err]
         layout = result[0][0] if isinstance(result[0], tuple) else None
@@ -231,13 +231,22 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     return layers, latency, per_byte, meta
 
 
+def shares_attention(config) -> bool:
+    """Whether a split may share an attention half between two stages by slices (model/kv_handoff.py):
+    the model's attention goes through HF's attention interface (SDPA), which the shared half needs
+    to skip the attention kernel of slices whose k, v alone it wants."""
+    return getattr(config, "_attn_implementation", None) == "sdpa"
+
+
 def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule, latency, per_byte,
-          meta, memory_limit, overhead: float = 0.0, profiled=None) -> tuple[Layout, str]:
+          meta, memory_limit, overhead: float = 0.0, profiled=None, shared: bool = False) -> tuple[Layout, str]:
     """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text;
-    ``profiled``: each rank's peak while profiling (bytes above its size before the model), reported."""
+    ``profiled``: each rank's peak while profiling (bytes above its size before the model), reported;
+    ``shared``: the split may share an attention half by slices (not with a memory limit: the memory
+    model counts a stage's layers whole)."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
-                         per_byte, meta)
+                         per_byte, meta, shared=shared and memory_limit is None)
     text = [layers.describe(latency, per_byte), describe_layout(layout, layers, analytic)]
     if memory_limit is not None:
         if layers.memory is None:

@@ -88,15 +88,19 @@ class StageCost:
     step_time: float = 0.0
     heldout: dict = field(default_factory=dict)
     samples: list = field(default_factory=list)  # [b, l, c, forward s, backward s] as measured
+    # parts run for some slices only (an attention half two stages share, model/kv_handoff.py):
+    # [forward, backward, W coefficients (or None), threshold, late]: counted for the units whose
+    # context c >= threshold (late) or c < threshold (not late)
+    gated: list = field(default_factory=list)
 
     def fwd(self, b, l, c):
-        return features(b, l, c) @ np.asarray(self.forward)
+        return features(b, l, c) @ np.asarray(self.forward) + self._gated(b, l, c, 0)
 
     def bwd(self, b, l, c):
-        return features(b, l, c) @ np.asarray(self.backward)
+        return features(b, l, c) @ np.asarray(self.backward) + self._gated(b, l, c, 1)
 
     def total(self, b, l, c):
-        return features(b, l, c) @ (np.asarray(self.forward) + np.asarray(self.backward))
+        return self.fwd(b, l, c) + self.bwd(b, l, c)
 
     def weight(self, b, l, c, w_fit=None):
         """W seconds of a unit (the weight-gradient part of ``bwd``), clamped to [0, bwd]; 0 without
@@ -104,7 +108,18 @@ class StageCost:
         w_fit = weight_grad_fit(self) if w_fit is None else w_fit
         if w_fit is None:
             return np.zeros(np.broadcast(*(np.asarray(x) for x in (b, l, c))).shape)
-        return np.clip(features(b, l, c) @ np.asarray(w_fit), 0.0, self.bwd(b, l, c))
+        own = features(b, l, c) @ np.asarray(w_fit) + self._gated(b, l, c, 2)
+        return np.clip(own, 0.0, self.bwd(b, l, c))
+
+    def _gated(self, b, l, c, column: int):
+        """The ``gated`` parts' seconds (forward: column 0, backward 1, W 2) of units (b, l, c)."""
+        out = 0.0
+        for term in self.gated:
+            coefficients, threshold, late = term[column], term[3], term[4]
+            if coefficients is not None:
+                runs = (np.asarray(c, float) >= threshold) == late
+                out = out + np.where(runs, features(b, l, c) @ np.asarray(coefficients), 0.0)
+        return out
 
     @classmethod
     def from_samples(cls, rows, hidden: int, bytes_per_element: int = 4, step_time: float = 0.0) -> "StageCost":

@@ -13,7 +13,9 @@ costs the sum of the parts' coefficient vectors: every split is priced without p
 ``plan_layout`` alternates: split the layers by their cost at the current slices
 (``model.split.split_by_cost``, the busiest stage least), plan the slices for that split's stage
 costs (TeraPipe's DP), until a split repeats; then it tries the best split's neighbours (one
-boundary moved by one unit); it keeps the (split, plan) of least predicted step.
+boundary moved by one unit); on 2 stages it then tries sharing the attention half at the boundary by
+slices (``model/kv_handoff.py``: the threshold that balances the stages' busy time at the slices,
+then the slices again, twice); it keeps the (split, plan) of least predicted step.
 The split is a plain value, known before DeepSpeed's PipelineModule is built.
 """
 
@@ -29,12 +31,13 @@ import numpy as np
 import torch
 
 from ..model.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, split_by_cost
-from .cost_model import PipelineCost, StageCost, features, fit_line, link_line
+from .cost_model import FEATURES, PipelineCost, StageCost, features, fit_line, link_line, weight_grad_fit
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
 from .report import make_plan
 
 PARTS = ("prefix", "block", "suffix")
+CONTEXT_FEATURES = ("b*l*l", "b*l*c", "b*c", "l*c", "l*l")   # the cost features of attention over context
 HALF_PARTS = ("prefix", *HALF_NAMES, "suffix")  # profiled where the family's blocks can be cut
 
 
@@ -72,9 +75,32 @@ class LayerCosts:
     def names(self) -> list[str]:
         return layer_names(self.blocks, self.prefix_names, self.suffix_names, self.halves)
 
-    def stage_cost(self, names) -> StageCost:
-        """The StageCost of a stage holding ``names`` (sum of its parts' coefficients)."""
-        return summed_cost([self.part_of(n) for n in names if self.part_of(n) is not None], self.block)
+    def stage_cost(self, names, gate: tuple | None = None) -> StageCost:
+        """The StageCost of a stage holding ``names`` (sum of its parts' coefficients); ``gate``:
+        (name, after, front) of an attention half this stage shares with its neighbour
+        (model/kv_handoff.py), which then counts for the slices it runs here (``StageCost.gated``):
+        on the front stage those from token ``after`` on, plus the linear part (no context term) for
+        the earlier ones, whose k, v it computes; on the back stage the earlier ones."""
+        shared = gate[0] if gate else None
+        cost = summed_cost([self.part_of(n) for n in names if n != shared and self.part_of(n) is not None],
+                           self.block)
+        if gate is None:
+            return cost
+        part, after, front = self.part_of(shared), int(gate[1]), bool(gate[2])
+        whole = [list(part.forward), list(part.backward), weight_grad_fit(part), after, front]
+        if not front:
+            return dataclasses.replace(cost, gated=[whole])
+        linear = [[0.0 if name in CONTEXT_FEATURES else x for name, x in zip(FEATURES, coefficients)]
+                  if coefficients is not None else None for coefficients in whole[:3]]
+        return dataclasses.replace(cost, gated=[whole, [*linear, after, False]])
+
+    def stage_costs(self, split: StageSplit) -> list[StageCost]:
+        """One StageCost per stage of ``split`` (a shared attention half gated on its two stages)."""
+        shared, gates = split.shared(), [None] * len(split.names)
+        if shared is not None:
+            gates[shared[0]] = (shared[1], split.shared_after, True)
+            gates[shared[0] + 1] = (shared[1], split.shared_after, False)
+        return [self.stage_cost(names, gate) for names, gate in zip(split.names, gates)]
 
     def part_of(self, name: str) -> StageCost | None:
         """The part whose cost ``name`` carries: blocks (and halves) their own, the first prefix /
@@ -91,12 +117,7 @@ class LayerCosts:
     def layer_seconds(self, plan: PlannedBatch, names=None) -> list[float]:
         """Seconds of one step (forward + backward of every unit, optimizer step) per layer name
         (``names``, default ``self.names()``)."""
-        sizes, lengths, contexts = [], [], []
-        for b, sl in zip(plan.microbatch_sizes, plan.slices):
-            sizes += [b] * len(sl)
-            lengths += list(sl)
-            contexts += list(np.concatenate([[0], np.cumsum(sl)[:-1]]))
-        units = tuple(np.asarray(v, float) for v in (sizes, lengths, contexts))
+        units = plan_units(plan)
         seconds = {}   # per part, computed once
         out = []
         for name in self.names() if names is None else names:
@@ -118,8 +139,9 @@ class LayerCosts:
     def pipeline_cost(self, split: StageSplit, latency: float, per_byte: float, meta: dict | None = None) -> PipelineCost:
         """The PipelineCost of ``split`` (one StageCost per stage); ``meta["layers"]`` holds these costs,
         so a cost-model file written from it can be split again."""
-        meta = {**(meta or {}), "layers": self.to_dict(), "split": [list(n) for n in split.names]}
-        return PipelineCost([self.stage_cost(names) for names in split.names], latency, per_byte, meta)
+        meta = {**(meta or {}), "layers": self.to_dict(), "split": [list(n) for n in split.names],
+                **({"shared_after": split.shared_after} if split.shared() else {})}
+        return PipelineCost(self.stage_costs(split), latency, per_byte, meta)
 
     def describe(self, latency: float, per_byte: float) -> str:
         """The measured parts: points, held-out error, optimizer step; the link."""
@@ -188,13 +210,27 @@ class Layout:
 
 def stage_busy(layers: LayerCosts, split: StageSplit, plan: PlannedBatch) -> tuple[float, ...]:
     """Predicted busy seconds of each stage of ``split`` running ``plan``."""
-    return tuple(float(sum(layers.layer_seconds(plan, names))) for names in split.names)
+    if split.shared() is None:
+        return tuple(float(sum(layers.layer_seconds(plan, names))) for names in split.names)
+    units = plan_units(plan)
+    return tuple(float(np.sum(cost.total(*units)) + cost.step_time) for cost in layers.stage_costs(split))
+
+
+def plan_units(plan: PlannedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(b, l, c) of every unit of ``plan``, as arrays."""
+    sizes, lengths, contexts = [], [], []
+    for b, sl in zip(plan.microbatch_sizes, plan.slices):
+        sizes += [b] * len(sl)
+        lengths += list(sl)
+        contexts += list(np.concatenate([[0], np.cumsum(sl)[:-1]]))
+    return tuple(np.asarray(v, float) for v in (sizes, lengths, contexts))
 
 
 def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granularity: int = 8,
                 microbatch_size: int | None = None, schedule: str = "gpipe", latency: float = 0.0,
-                per_byte: float = 0.0, meta: dict | None = None, rounds: int = 6) -> Layout:
-    """Alternate split <-> slices (see the module docstring); pure given ``layers``."""
+                per_byte: float = 0.0, meta: dict | None = None, rounds: int = 6, shared: bool = True) -> Layout:
+    """Alternate split <-> slices (see the module docstring); pure given ``layers``. ``shared``: also
+    try an attention half shared by the two stages' slices (2 stages, families with halves)."""
     b = microbatch_size or 1
     plan = with_slices(seq_len, stages, [b] * (batch // b), (seq_len,))   # start: whole sequences
     seen: dict = {}
@@ -202,23 +238,67 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
     def planned(split: StageSplit) -> Layout:
         cost = layers.pipeline_cost(split, latency, per_byte, meta)
         plan, _ = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size, schedule=schedule)
-        seen[split.names] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
-                                   stage_busy(layers, split, plan), 0)
-        return seen[split.names]
+        seen[split.names, split.shared_after] = Layout(split, plan, cost, predict_time(plan, cost, stages, schedule),
+                                                        stage_busy(layers, split, plan), 0)
+        return seen[split.names, split.shared_after]
 
     split = layers.split(plan, stages)
     for _ in range(rounds):
         split = layers.split(planned(split).plan, stages)
-        if split.names in seen:
+        if (split.names, 0) in seen:
             break
     best = min(seen.values(), key=lambda layout: layout.predicted)
     # the split is balanced on summed busy time, the step is simulated: try one unit either way
     for near in layers.neighbours(best.split, best.plan):
-        if near.names not in seen:
+        if (near.names, 0) not in seen:
             planned(near)
     best = min(seen.values(), key=lambda layout: layout.predicted)
+    if shared and layers.halves and stages == 2:   # an attention half shared by slices (kv_handoff)
+        for names in shared_names(best.split):
+            layout = best
+            for _ in range(2):   # the threshold that balances the stages at the slices, then re-slice
+                before = balancing_threshold(layers, names, layout.plan)
+                if before is None:
+                    break
+                key = (names, before)
+                if key not in seen:
+                    split = StageSplit.from_names(names, before)
+                    planned(dataclasses.replace(split, costs=stage_busy(layers, split, layout.plan), unit=" s/step"))
+                layout = seen[key]
+        best = min(seen.values(), key=lambda layout: layout.predicted)
     best.tried = len(seen)
     return best
+
+
+def shared_names(split: StageSplit) -> list[tuple]:
+    """The 2-stage splits near ``split`` whose boundary attention half is shared by slices: the back
+    stage's first block's attention (or the front's cut one) also on the front stage, or the front
+    stage's last whole block cut and its attention also on the back stage. Pure."""
+    front, back = split.names
+    out = []
+    first = back[0]
+    if block_part(first) == "block":
+        out.append(((*front, f"{first}.{HALF_NAMES[0]}"), (f"{first}.{HALF_NAMES[0]}", f"{first}.{HALF_NAMES[1]}",
+                                                            *back[1:])))
+    elif block_part(first) == HALF_NAMES[0]:
+        out.append(((*front, first), back))
+    elif block_part(front[-1]) == HALF_NAMES[0]:
+        out.append((front, (front[-1], *back)))
+    last = front[-1]
+    if block_part(last) == "block" and sum(block_part(n) is not None for n in front) > 1:
+        attn, mlp = (f"{last}.{half}" for half in HALF_NAMES)
+        out.append(((*front[:-1], attn), (attn, mlp, *back)))
+    return out
+
+
+def balancing_threshold(layers: LayerCosts, names: tuple, plan: PlannedBatch) -> int | None:
+    """The slice start (of ``plan``'s first microbatch) from which the front stage runs the shared
+    attention half so that the busier of the two stages is least busy (None: one slice)."""
+    starts = np.concatenate([[0], np.cumsum(plan.slices[0])])[1:-1]
+    if not len(starts):
+        return None
+    best = min(starts, key=lambda t: max(stage_busy(layers, StageSplit.from_names(names, int(t)), plan)))
+    return int(best)
 
 
 def describe_layout(layout: Layout, layers: LayerCosts, analytic: StageSplit) -> str:

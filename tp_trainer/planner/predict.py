@@ -25,7 +25,7 @@ from ..schedule import (BackwardSlice, ForwardSlice, OptimizerStep, SendActivati
                         WeightGrad, backward_step, build_schedule, final_steps, forward_step, place_weight_grads,
                         simulate)
 from ..schedule.tail import overlap_tail
-from .cost_model import PipelineCost, StageCost, features, weight_grad_fit  # noqa: F401 (weight_grad_fit re-exported)
+from .cost_model import PipelineCost, StageCost, weight_grad_fit  # noqa: F401 (weight_grad_fit re-exported)
 from .dp import PlannedBatch, plan_batch, plan_time, uniform_slices
 
 
@@ -57,7 +57,7 @@ def plan_schedules(plan: PlannedBatch, stages: int, schedule: str = "gpipe", spl
 def split_costs(stage: StageCost, b, l, c, w_fit) -> tuple[float, float]:
     """(B, W) seconds of a unit: W from its fit, clamped to [0, backward]; B = backward - W."""
     whole = float(stage.bwd(b, l, c))
-    w = 0.0 if w_fit is None else min(max(float(features(b, l, c) @ np.asarray(w_fit)), 0.0), whole)
+    w = 0.0 if w_fit is None else float(stage.weight(b, l, c, w_fit))
     return whole - w, w
 
 
