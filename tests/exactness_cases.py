@@ -48,7 +48,7 @@ def cases(world: int) -> list[dict]:
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
     if stages == 2:  # one block's attention shared by both stages (model/kv_handoff.py): slices
-        # starting before token 8 ([7, 5, 3, 1]: the first two) run it on stage 0, the others on stage 1
+        # starting at token 8 or later ([7, 5, 3, 1]: the last two) run it on stage 0, the others on stage 1
         out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8)
                 for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
     return out

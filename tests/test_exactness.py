@@ -39,12 +39,11 @@ def pipeline_results(tmp_path_factory):
 
 def exported(pipeline_results, case, key) -> dict:
     """The HF checkpoint a case exported: {name: tensor} over its safetensors shards."""
-    from safetensors.torch import load_file
+    from test_checkpoint_io import checkpoint_tensors
     for out_dir in pipeline_results["_dirs"]:
         directory = os.path.join(out_dir, f"hf-{case['name']}@{key}")
         if os.path.isdir(directory):
-            return {n: t for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
-                    for n, t in load_file(os.path.join(directory, f)).items()}
+            return checkpoint_tensors(directory)
     raise AssertionError(f"{case['name']}@{key}: no export")
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,22 +19,13 @@ HEAD_DIM = HIDDEN // HEADS
 WORKER = os.path.join(os.path.dirname(__file__), "memory_measure_worker.py")
 
 
-class Part:
-    """A PartMemory's fields as the worker printed them (attribute access)."""
-
-    def __init__(self, fields):
-        self.__dict__.update(fields)
-
-    def __repr__(self):
-        return repr(self.__dict__)
-
-
 @pytest.fixture(scope="module")
 def measured():
     done = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"_points": out["points"], **{name: Part(fields) for name, fields in out["parts"].items()}}
+    # each part's PartMemory fields as the worker printed them, by attribute
+    return {"_points": out["points"], **{name: SimpleNamespace(**fields) for name, fields in out["parts"].items()}}
 
 
 def test_checkpointed_parts_keep_their_inputs(measured):

@@ -47,10 +47,7 @@ class _KeepKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, key, value, kv, layer_idx: int, start: int):
-        keys, values, _, _ = kv.tensors(layer_idx, key)
-        stop = start + key.shape[2]
-        keys[:, :, start:stop].copy_(key)
-        values[:, :, start:stop].copy_(value)
+        stop = kv.write(layer_idx, key, value, start)
         ctx.kv, ctx.layer_idx, ctx.start, ctx.stop = kv, layer_idx, start, stop
         return hidden.view_as(hidden)
 

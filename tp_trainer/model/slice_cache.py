@@ -43,10 +43,8 @@ class _AppendKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key, value, kv: "SequenceKV", layer_idx: int, start: int):
-        keys, values, _, _ = kv.tensors(layer_idx, key)
-        stop = start + key.shape[2]
-        keys[:, :, start:stop].copy_(key)
-        values[:, :, start:stop].copy_(value)
+        stop = kv.write(layer_idx, key, value, start)
+        keys, values, _, _ = kv.tensors(layer_idx)
         ctx.kv, ctx.layer_idx, ctx.start, ctx.stop = kv, layer_idx, start, stop
         return _alias(keys, stop), _alias(values, stop)
 
@@ -86,6 +84,15 @@ class SequenceKV:
             values = torch.empty_like(keys)
             self.layers[layer_idx] = (keys, values, torch.zeros_like(keys), torch.zeros_like(keys))
         return self.layers[layer_idx]
+
+    def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, start: int) -> int:
+        """Store one slice's k, v (b, heads, l, head_dim) at [start, start + l) of the layer's
+        buffers (allocated on the first write); returns start + l."""
+        keys, values, _, _ = self.tensors(layer_idx, key)
+        stop = start + key.shape[2]
+        keys[:, :, start:stop].copy_(key)
+        values[:, :, start:stop].copy_(value)
+        return stop
 
 
 class SliceCache(Cache):

@@ -210,8 +210,6 @@ class Layout:
 
 def stage_busy(layers: LayerCosts, split: StageSplit, plan: PlannedBatch) -> tuple[float, ...]:
     """Predicted busy seconds of each stage of ``split`` running ``plan``."""
-    if split.shared() is None:
-        return tuple(float(sum(layers.layer_seconds(plan, names))) for names in split.names)
     units = plan_units(plan)
     return tuple(float(np.sum(cost.total(*units)) + cost.step_time) for cost in layers.stage_costs(split))
 
@@ -257,12 +255,12 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
         for names in shared_names(best.split):
             layout = best
             for _ in range(2):   # the threshold that balances the stages at the slices, then re-slice
-                before = balancing_threshold(layers, names, layout.plan)
-                if before is None:
+                after = balancing_threshold(layers, names, layout.plan)
+                if after is None:
                     break
-                key = (names, before)
+                key = (names, after)
                 if key not in seen:
-                    split = StageSplit.from_names(names, before)
+                    split = StageSplit.from_names(names, after)
                     planned(dataclasses.replace(split, costs=stage_busy(layers, split, layout.plan), unit=" s/step"))
                 layout = seen[key]
         best = min(seen.values(), key=lambda layout: layout.predicted)
