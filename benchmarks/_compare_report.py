@@ -58,7 +58,21 @@ def summarize_run(args, res: dict) -> dict:
             "predicted_s": res["predicted_s"], "slices": res["slices"],
             "first_loss": {n: res["losses"][n][0] for n in res["names"]},
             "whole_over_cut_paired": statistics.median(w / c for w, c in zip(steps[WHOLE], steps[C], strict=True))
-            if WHOLE in steps else None}
+            if WHOLE in steps else None, "c_over_a_by_turn": _by_turn(steps, res["ranks"][0].get("follows"))}
+
+
+def _by_turn(steps: dict, follows: dict | None) -> dict | None:
+    """(c)/(a) over the steps that came right after another variant's ("after_switch") and over those
+    that followed a step of their own ("back_to_back"; a training run's steps), with compare.py
+    --turn > 1; None otherwise."""
+    if not follows or not any(follows[A]):
+        return None
+    out = {}
+    for key, wanted in (("after_switch", False), ("back_to_back", True)):
+        a, c = ([t for t, f in zip(steps[n], follows[n], strict=True) if f == wanted] for n in (A, C))
+        out[key] = {"a_s": statistics.median(a), "c_s": statistics.median(c),
+                    "c_over_a": statistics.median(a) / statistics.median(c), "steps": len(a)}
+    return out
 
 
 def _spread(values) -> str:
@@ -108,7 +122,7 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                  f"{_spread([r['whole_over_cut_paired'] for r in runs])} (median (min-max) over runs; > 1: the cut "
                  f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]
                 if last.get("whole_over_cut_paired") else []),
-              _probe_line(last), _timeline_line(last), _prediction_line(last),
+              *_turn_lines(runs), _probe_line(last), _timeline_line(last), _prediction_line(last),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "
                f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"
@@ -125,6 +139,20 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
               "runs": runs, "median_s": med, "c_over_a": ratio, "goal": goal, "goals": goals,
               "load_1min_before": load_before, "wall_s": wall_s, "plan_report": plan_report}
     return report, "\n".join(lines)
+
+
+def _turn_lines(runs: list[dict]) -> list[str]:
+    """With --turn > 1: (c)/(a) right after a switch of variant and with steps back to back."""
+    by_turn = [r["c_over_a_by_turn"] for r in runs if r.get("c_over_a_by_turn")]
+    if not by_turn:
+        return []
+    parts = []
+    for key, what in (("after_switch", "steps right after another variant's"),
+                      ("back_to_back", "steps that followed one of their own (as in training)")):
+        parts.append(f"{what}: (a) {statistics.median(b[key]['a_s'] for b in by_turn):.3f} s, (c) "
+                     f"{statistics.median(b[key]['c_s'] for b in by_turn):.3f} s, (c)/(a) "
+                     f"{_spread([b[key]['c_over_a'] for b in by_turn])} ({by_turn[0][key]['steps']} steps per run)")
+    return ["(c)/(a) by a step's place in its turn, median (min-max) over runs: " + "; ".join(parts)]
 
 
 def _predicted_error(run: dict, name: str):

@@ -26,6 +26,20 @@ def is_rank() -> bool:
     return "RANK" in os.environ
 
 
+def run_rank(worker, args) -> None:
+    """Run this rank's ``worker(args)``; on an error print it (naming the rank) and leave at once
+    with exit code 1: an interpreter exit with gloo's process group still up can hang, and ``launch``
+    stops the other ranks once one has failed."""
+    try:
+        worker(args)
+    except BaseException:
+        import traceback
+        print(f"[rank {os.environ.get('RANK')}] failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed's info lines (config dumps, timers) would bury the progress bar."""
     import logging

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compare_report import A, C, D, WHOLE, render, summarize_run
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
+from _ranks import ROOT, is_rank, launch, quiet_deepspeed, run_rank, write_results
 
 
 
@@ -72,27 +72,31 @@ def worker(args) -> None:
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
     losses = {k: [] for k in names}
+    follows = {k: [] for k in names}   # per timed step: True if the variant's own step came just before
     load = []
     total = args.warmup + args.steps
-    bar = tqdm(range(total), desc=f"{len(names)} variants in turn, {args.warmup} warm-up + {args.steps} timed steps",
-               disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
-    for step in bar:
-        shift = step % len(names)
+    turns = -(-total // args.turn)
+    bar = tqdm(range(turns), desc=f"{len(names)} variants in turn ({args.turn} step(s) each), {args.warmup} warm-up + "
+               f"{args.steps} timed steps", disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
+    for turn in bar:
+        shift = turn % len(names)
         for name in names[shift:] + names[:shift]:  # who goes first rotates
-            data = cm.batches(args, step)
-            tdist.barrier()
-            start, cpu0 = time.perf_counter(), time.process_time()
-            if name == D:
-                loss = cm.single_step(*single, data) if rank == 0 else float("nan")
-                elapsed = time.perf_counter() - start
-                tdist.barrier()  # the other ranks idle here meanwhile
-            else:
-                loss = float(engines[name].train_batch(iter(data)))
-                elapsed = time.perf_counter() - start
-            losses[name].append(loss)
-            if step >= args.warmup:
-                wall[name].append(elapsed)
-                cpu[name].append(time.process_time() - cpu0)
+            for step in range(turn * args.turn, min((turn + 1) * args.turn, total)):
+                data = cm.batches(args, step)
+                tdist.barrier()
+                start, cpu0 = time.perf_counter(), time.process_time()
+                if name == D:
+                    loss = cm.single_step(*single, data) if rank == 0 else float("nan")
+                    elapsed = time.perf_counter() - start
+                    tdist.barrier()  # the other ranks idle here meanwhile
+                else:
+                    loss = float(engines[name].train_batch(iter(data)))
+                    elapsed = time.perf_counter() - start
+                losses[name].append(loss)
+                if step >= args.warmup:
+                    wall[name].append(elapsed)
+                    cpu[name].append(time.process_time() - cpu0)
+                    follows[name].append(step > turn * args.turn)
         load.append(os.getloadavg()[0])
     bar.close()
     say("3 more (c) steps with every instruction timed; the median one is drawn")
@@ -107,8 +111,8 @@ def worker(args) -> None:
     everyone = None if rank else recorded[median]
     say("stage probe: each stage's layers on the whole sequence, alone and all stages at once")
     gathered = [None] * tdist.get_world_size()
-    mine = {"wall": wall, "cpu": cpu, "stage": engines[C].stage_id, "probe": stage_probe(engines[C], args),
-            "recorded_wall": recorded_wall}
+    mine = {"wall": wall, "cpu": cpu, "follows": follows, "stage": engines[C].stage_id,
+            "probe": stage_probe(engines[C], args), "recorded_wall": recorded_wall}
     tdist.all_gather_object(gathered, mine)
     if rank == 0:
         write_result(args, engines, names, gathered, losses, everyone, load,
@@ -273,6 +277,9 @@ def main() -> None:
     p.add_argument("--uniform", default="2,4,8,16", help="uniform slice counts for (b), comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--turn", type=int, default=1,
+                   help="steps a variant runs back to back each time its turn comes (the report then also "
+                        "gives (c)/(a) over the steps right after another variant's and over the others)")
     p.add_argument("--budget", type=float, default=35.0, help="profiling seconds per stage for the DP plan")
     p.add_argument("--cost_model", default=None, help="cost model JSON: read if it exists, else written")
     p.add_argument("--whole_blocks", action="store_true",
@@ -287,7 +294,7 @@ def main() -> None:
     args.uniform = [int(x) for x in str(args.uniform).split(",") if x]
     args.out = os.path.abspath(args.out)
     if is_rank():
-        worker(args)
+        run_rank(worker, args)
         return
     tmp = tempfile.mkdtemp(prefix="compare_")
     args.cost_model = os.path.abspath(args.cost_model or os.path.join(tmp, "cost_model.json"))

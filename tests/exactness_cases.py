@@ -47,30 +47,34 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
-    if stages == 2:  # one block's attention shared by both stages (model/kv_handoff.py): slices
-        # starting at token 8 or later ([7, 5, 3, 1]: the last two) run it on stage 0, the others on stage 1
-        out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8)
-                for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
+    if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,
+        # model/shared_half.py): slices starting at token 8 or later ([7, 5, 3, 1]: the last two) run
+        # it on stage 0, the others on stage 1
+        out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8, half=half)
+                for half in ("attn", "mlp") for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
     return out
 
 
-# h.1's attention on both stages, shared by slices
-SHARED_SPLIT = [["embed", "pos", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "h.2", "norm", "head"]]
+# h.1's attention or MLP on both stages, shared by slices
+SHARED_SPLITS = {"attn": [["embed", "pos", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "h.2", "norm", "head"]],
+                 "mlp": [["embed", "pos", "h.0", "h.1.attn", "h.1.mlp"], ["h.1.mlp", "h.2", "norm", "head"]]}
 # with cut blocks: the 3 blocks of tiny_model, cut at each boundary (a stage may hold half a block only)
 CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm", "head"]],
               3: [["embed", "pos", "h.0.attn"], ["h.0.mlp", "h.1", "h.2.attn"], ["h.2.mlp", "norm", "head"]]}
 
 
 def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
-          cut=False, shared=0):
+          cut=False, shared=0, half="attn"):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
-    split = ({"names": SHARED_SPLIT, "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
-    return {"name": base + ("-shared" if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
+    split = ({"names": SHARED_SPLITS[half], "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
+    shared_name = {"attn": "-shared", "mlp": "-shared-mlp"}[half]
+    return {"name": base + (shared_name if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
             + ("" if zb else "-nozb"),
             "same_as": base if ckpt or not zb or cut else None, "split": split,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
-            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb}
+            "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb,
+            "shared_half": half if shared else None}
 
 
 def tiny_model(tied: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:

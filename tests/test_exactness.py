@@ -70,9 +70,10 @@ def test_matches_hf(pipeline_results, case):
             assert saved.keys() == trained.keys()
             assert all(torch.equal(tensor, trained[name]) for name, tensor in saved.items())
     for key in case["dtypes"]:  # a cut case's stages run the halves of model/halves.py, a shared
-        types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]  # one its kv_handoff.py layers
-        half = "SharedAttention" if isinstance(case["split"], dict) else "AttentionHalf"
-        assert ({half, "MLPHalf"} <= types) == bool(case["split"]), (key, sorted(types))
+        types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]  # one its shared_half.py layers
+        halves = {None: {"AttentionHalf", "MLPHalf"}, "attn": {"SharedAttention", "MLPHalf"},
+                  "mlp": {"AttentionHalf", "SharedMLP"}}[case["shared_half"]]
+        assert (halves <= types) == bool(case["split"]), (key, sorted(types))
     if case["same_as"]:  # checkpointing, cut blocks, W in the backward change nothing: same loss and grads
         for key in case["dtypes"]:
             got, plain = pipeline_results[f"{case['name']}@{key}"], pipeline_results[f"{case['same_as']}@{key}"]

@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from tp_trainer.checkpoint.hf_load import stage_modules
 from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.halves import family_halves, split_specs
+from tp_trainer.model.halves import family_halves
+from tp_trainer.model.stage_specs import split_specs
 from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.slice_cache import SequenceKV
 from tp_trainer.model.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
@@ -185,7 +186,7 @@ def test_costs_and_memory_of_halves_add_up_to_a_block():
         layers.attn.forward, layers.mlp.forward)])
     again = LayerCosts.from_dict(layers.to_dict())
     assert again.halves and again.attn == layers.attn and again.names() == layers.names()
-    layout = plan_layout(layers, 4096, 1, 2, granularity=256, shared=False)  # (kv_handoff: test_kv_handoff)
+    layout = plan_layout(layers, 4096, 1, 2, granularity=256, shared=())  # (shared halves: test_kv_handoff, test_shared_half)
     assert layout.split.layers() in ([*PREFIX, "h.0", "h.1", "h.2.attn", "h.2.mlp", "h.3", *SUFFIX],
                                      layer_names(4, PREFIX, SUFFIX))
     assert sum(layout.busy) == pytest.approx(sum(layers.layer_seconds(layout.plan)))

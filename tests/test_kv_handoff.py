@@ -7,7 +7,7 @@ import torch
 
 from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.halves import half_spec
-from tp_trainer.model.kv_handoff import shared_specs
+from tp_trainer.model.shared_half import shared_specs
 from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.slice_cache import SequenceKV
 from test_halves import _gpt2, _gpt_neo, _llama, _opt
@@ -109,9 +109,9 @@ def test_each_stage_runs_the_slices_it_owns():
 
 
 # ------------------------------------------------------------------------------ the planner (pure)
-def _layer_costs(context_cost: float):
+def _layer_costs(context_cost: float, head: float = 2.3e-4):
     """4 blocks of GPT-2 4 x 256 roughly as measured at 8192 tokens: attention per token plus a
-    context term, a cheap MLP half, a head about a block."""
+    context term, a cheap MLP half, a head about a block (``head``: its seconds per token)."""
     import numpy as np
     from tp_trainer.model.gpt2 import PREFIX, SUFFIX
     from tp_trainer.planner.cost_model import FEATURES, StageCost
@@ -124,14 +124,14 @@ def _layer_costs(context_cost: float):
         return StageCost(list(coef), list(2 * coef), hidden=256)
 
     attn, mlp = cost(2e-5, context_cost), cost(3e-5)
-    return LayerCosts(cost(1e-6), summed_cost([attn, mlp], attn), cost(2.3e-4), 4, PREFIX, SUFFIX, None, attn, mlp)
+    return LayerCosts(cost(1e-6), summed_cost([attn, mlp], attn), cost(head), 4, PREFIX, SUFFIX, None, attn, mlp)
 
 
 def test_the_planner_shares_an_attention_half_where_it_balances_the_stages():
     import numpy as np
     from tp_trainer.planner.layer_cost import plan_layout, plan_units, stage_busy
     layers = _layer_costs(5.5e-8)
-    plain = plan_layout(layers, 8192, 1, 2, granularity=256, shared=False)
+    plain = plan_layout(layers, 8192, 1, 2, granularity=256, shared=())
     layout = plan_layout(layers, 8192, 1, 2, granularity=256)
     assert plain.split.shared() is None and min(plain.busy) / max(plain.busy) < 0.85, plain.busy
     shared = layout.split.shared()
@@ -152,7 +152,7 @@ def test_no_sharing_where_the_stages_balance_without_it():
     from tp_trainer.planner.layer_cost import plan_layout
     layers = _layer_costs(0.0)   # no context term: short sequences, whole halves balance
     layout = plan_layout(layers, 1024, 1, 2, granularity=64)
-    plain = plan_layout(layers, 1024, 1, 2, granularity=64, shared=False)
+    plain = plan_layout(layers, 1024, 1, 2, granularity=64, shared=())
     assert layout.predicted <= plain.predicted
 
 
@@ -163,7 +163,7 @@ def test_a_shared_split_is_checked():
     for names, before in (([["embed", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "head"]], 0),
                           ([["embed", "h.0", "h.1"], ["h.1", "head"]], 64),
                           ([["embed", "h.0"], ["h.1", "head"]], 64)):
-        with pytest.raises(ValueError, match="shared attention half"):
+        with pytest.raises(ValueError, match="a shared half is one"):
             StageSplit.from_names(names, before).shared()
 
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from ..config import ConfigError
 from ..model.adapters import adapter_for
-from ..model.halves import module_args, split_specs
+from ..model.halves import module_args
+from ..model.stage_specs import split_specs
 from ..model.layers import SliceContext
 from ..model.split import StageSplit, split_for_config
 

@@ -29,7 +29,7 @@ from deepspeed.pipe import LayerSpec
 from torch import nn
 
 from .layers import DecoderBlock
-from .split import HALF_NAMES, StageSplit, layer_names
+from .split import HALF_NAMES
 
 ATTN, MLP = HALF_NAMES   # the layer-name suffixes of the two halves: "h.3.attn", "h.3.mlp"
 
@@ -82,45 +82,6 @@ def half_spec(block_spec: LayerSpec, half: str, adapter) -> LayerSpec:
     if half == MLP:
         return LayerSpec(mlp, Children(block, halves[1]), hf_name, ctx)
     raise ValueError(f"a block has the halves {ATTN!r} and {MLP!r}, not {half!r}")
-
-
-def split_specs(adapter, model, ctx, split: StageSplit) -> list:
-    """The adapter's layer specs of ``model`` in the order of ``split.layers()``: the whole-block list,
-    or with the blocks at a boundary cut in halves (``split_by_cost(..., halves=True)``)."""
-    specs = adapter.layer_specs(model, ctx)
-    whole = layer_names(len(specs) - len(adapter.PREFIX) - len(adapter.SUFFIX), adapter.PREFIX, adapter.SUFFIX)
-    layers, shared = split.layers(), split.shared()
-    if layers == whole:
-        return specs
-    once = list(dict.fromkeys(layers))   # a shared attention half is named on two stages
-    cut = {name for name in whole if f"{name}.{ATTN}" in once or f"{name}.{MLP}" in once}
-    expected = [part for name in whole for part in ((f"{name}.{ATTN}", f"{name}.{MLP}") if name in cut else (name,))]
-    if once != expected:
-        raise ValueError(f"stage split {[list(n) for n in split.names]}: the layers must be {whole} in this "
-                         f"order, each once (a block may be cut into its '{ATTN}' and '{MLP}' halves)")
-    out = specs_for_layers(specs, whole, layers, adapter)
-    if shared is not None:
-        from .kv_handoff import shared_specs
-        at = split.parts[shared[0] + 1] - 1   # the front stage's last layer; the back's first follows
-        out[at:at + 2] = shared_specs(out[at], shared[1], split.shared_after)
-    return out
-
-
-def specs_for_layers(specs: list, whole_names, layers, adapter) -> list:
-    """The LayerSpecs of ``layers`` (a split's layer names in order, e.g. [..., "h.2.attn",
-    "h.2.mlp", ...]) from ``adapter``'s ``specs`` of the whole-block list ``whole_names``."""
-    index = {name: i for i, name in enumerate(whole_names)}
-    out = []
-    for name in layers:
-        if name in index:
-            out.append(specs[index[name]])
-            continue
-        block, _, half = name.rpartition(".")
-        if block not in index or not family_halves(adapter):
-            raise ValueError(f"layer {name!r} is not one of {list(whole_names)} or a half of a block of a "
-                             f"family whose adapter names its HALVES")
-        out.append(half_spec(specs[index[block]], half, adapter))
-    return out
 
 
 def module_args(spec: LayerSpec) -> list[nn.Module]:

@@ -34,7 +34,6 @@ Each slice's output, and each parameter's summed gradient, are the whole block's
 from __future__ import annotations
 
 import torch
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from .halves import AttentionHalf
 from .slice_cache import SliceCache
@@ -101,16 +100,3 @@ class SharedAttention(AttentionHalf):
         finally:
             ctx.cache, ctx.keys_only = plain, False
         return _KeepKV.apply(hidden, key, value, plain.kv, layer_idx, ctx.start)
-
-
-def shared_specs(half: LayerSpec, name: str, after: int) -> list:
-    """The front and the back stage's layer specs of the attention half ``half`` (a LayerSpec of an
-    ``AttentionHalf``) named ``name``: TiedLayerSpecs keyed by the name, so each stage builds its own
-    layer on the same HF modules and DeepSpeed sums their gradients between the two stages."""
-    children, hf_name, ctx = half.module_args[:3]
-    tied = [f"inner.{n}" for n, _ in children.named_parameters()]
-    cls = (SharedAttention if half.typename is AttentionHalf
-           else type(f"Shared{half.typename.__name__}", (SharedAttention, half.typename), {}))
-    return [TiedLayerSpec("shared_" + name.replace(".", "_"), cls, children, hf_name, ctx, front=front, after=after,
-                          tied_weight_attr=tied, **half.module_kwargs)
-            for front in (True, False)]

@@ -8,7 +8,7 @@ from deepspeed.utils import logger
 
 from ..ds_compat import set_layer_bounds, stage_of_rank
 from .adapters import adapter_for
-from .halves import split_specs
+from .stage_specs import split_specs
 from .layers import HFPart, SliceContext
 from .split import StageSplit, split_for_config
 

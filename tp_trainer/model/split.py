@@ -44,9 +44,9 @@ class StageSplit:
     parts: tuple[int, ...]
     costs: tuple[float, ...]
     unit: str = "/token"  # what ``costs`` count: "/token" (estimate) or " s/step" (measured)
-    # > 0: the attention half that ends one stage and begins the next (the same name on both) is
-    # shared by slices (model/kv_handoff.py): slices starting at or after this token run it on the
-    # front stage, the earlier ones on the back stage
+    # > 0: the half that ends one stage and begins the next (the same name on both) is shared by
+    # slices (an attention half: model/kv_handoff.py; an MLP half: model/shared_half.py): slices
+    # starting at or after this token run it on the front stage, the earlier ones on the back stage
     shared_after: int = 0
 
     @classmethod
@@ -60,15 +60,15 @@ class StageSplit:
         return cls(names, tuple(parts), (0.0,) * len(names), " (given)", shared_after)
 
     def shared(self) -> tuple[int, str] | None:
-        """(the front stage, the layer name) of the attention half two stages share, or None."""
+        """(the front stage, the layer name) of the half two stages share, or None."""
         pairs = [(s, a[-1]) for s, (a, b) in enumerate(zip(self.names, self.names[1:])) if a[-1] == b[0]]
         if not self.shared_after and not pairs:
             return None
-        if (self.shared_after <= 0 or len(pairs) != 1 or block_part(pairs[0][1]) != HALF_NAMES[0]
+        if (self.shared_after <= 0 or len(pairs) != 1 or block_part(pairs[0][1]) not in HALF_NAMES
                 or len(self.layers()) != len(set(self.layers())) + 1):
             raise ValueError(f"stage split {[list(n) for n in self.names]} (shared_after={self.shared_after}): "
-                             f"a shared attention half is one 'h.i.{HALF_NAMES[0]}' that ends one stage and "
-                             f"begins the next, with shared_after > 0; every other layer is held once")
+                             f"a shared half is one 'h.i.{HALF_NAMES[0]}' or 'h.i.{HALF_NAMES[1]}' that ends one "
+                             f"stage and begins the next, with shared_after > 0; every other layer is held once")
         return pairs[0]
 
     def layers(self) -> list[str]:
@@ -208,6 +208,28 @@ def neighbours(split: StageSplit, costs, num_blocks: int, prefix=PREFIX, suffix=
             if min(moved) >= 1:
                 out.append(split_from_counts(moved, costs, num_blocks, prefix, suffix, halves))
     return out
+
+
+def shared_splits(split: StageSplit, kinds=HALF_NAMES) -> list[tuple]:
+    """The layer names of the 2-stage splits near ``split`` in which one half of a kind in ``kinds``
+    ("attn" / "mlp") within two half blocks of the boundary ends the front stage and begins the back
+    one (shared by slices), every other layer held once, each stage keeping another block part. Pure."""
+    front, back = split.names
+    units = [unit for name in split.layers() if block_part(name) for unit in _halves(name)]
+    boundary = sum(len(_halves(name)) for name in front if block_part(name))
+    prefix = tuple(n for n in front if block_part(n) is None)
+    suffix = tuple(n for n in back if block_part(n) is None)
+    out = []
+    for at in range(max(boundary - 2, 1), min(boundary + 2, len(units) - 1)):
+        if block_part(units[at]) in kinds:
+            out.append(((*prefix, *_whole_blocks(units[:at]), units[at]),
+                        (units[at], *_whole_blocks(units[at + 1:]), *suffix)))
+    return out
+
+
+def _halves(name: str) -> tuple[str, ...]:
+    """A block name as its two half names ("h.2" -> "h.2.attn", "h.2.mlp"); a half as itself."""
+    return tuple(f"{name}.{half}" for half in HALF_NAMES) if block_part(name) == "block" else (name,)
 
 
 def split_from_counts(counts, costs, num_blocks: int, prefix=PREFIX, suffix=SUFFIX,

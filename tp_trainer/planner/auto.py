@@ -28,6 +28,7 @@ from . import memory_plan
 from .layer_cost import LayerCosts, Layout, describe_layout, measure_layers, plan_layout
 from .memory_model import GIB
 from .memory_plan import NoPlanFits
+from ..model.split import HALF_NAMES
 from .profile import profile_stage, stage_functions, time_copy
 from .report import make_plan, report
 
@@ -162,7 +163,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if rank == 0:
         try:
             result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
-                            latency, per_byte, meta, memory_limit, overhead, profiled, shares_attention(config))]
+                            latency, per_byte, meta, memory_limit, overhead, profiled, shareable_halves(config))]
         except NoPlanFits as err:
             result = [err]
         layout = result[0][0] if isinstance(result[0], tuple) else None
@@ -231,22 +232,25 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     return layers, latency, per_byte, meta
 
 
-def shares_attention(config) -> bool:
-    """Whether a split may share an attention half between two stages by slices (model/kv_handoff.py):
-    the model's attention goes through HF's attention interface (SDPA), which the shared half needs
-    to skip the attention kernel of slices whose k, v alone it wants."""
-    return getattr(config, "_attn_implementation", None) == "sdpa"
+def shareable_halves(config) -> tuple[str, ...]:
+    """The kinds of half a split may share between two stages by slices: an MLP half always
+    (model/shared_half.py); an attention half where the model's attention goes through HF's attention
+    interface (SDPA), which it needs to skip the attention kernel of slices whose k, v alone it
+    wants (model/kv_handoff.py)."""
+    attn, mlp = HALF_NAMES
+    return (attn, mlp) if getattr(config, "_attn_implementation", None) == "sdpa" else (mlp,)
 
 
 def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule, latency, per_byte,
-          meta, memory_limit, overhead: float = 0.0, profiled=None, shared: bool = False) -> tuple[Layout, str]:
+          meta, memory_limit, overhead: float = 0.0, profiled=None, shared: tuple = ()) -> tuple[Layout, str]:
     """Rank 0: the layout (and, with a limit, the memory-aware choice) and the report text;
     ``profiled``: each rank's peak while profiling (bytes above its size before the model), reported;
-    ``shared``: the split may share an attention half by slices (not with a memory limit: the memory
+    ``shared``: the kinds of half the split may share by slices (not with a memory limit: the memory
     model counts a stage's layers whole)."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
-                         per_byte, meta, shared=shared and memory_limit is None)
+                         per_byte, meta, shared=shared if memory_limit is None else (),
+                         refine=memory_limit is None)   # with a limit, memory_plan chooses the slices
     text = [layers.describe(latency, per_byte), describe_layout(layout, layers, analytic)]
     if memory_limit is not None:
         if layers.memory is None:

@@ -30,10 +30,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..model.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, split_by_cost
+from ..model.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, shared_splits, split_by_cost
 from .cost_model import FEATURES, PipelineCost, StageCost, features, fit_line, link_line, weight_grad_fit
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
+from .refine import refine_slices
 from .report import make_plan
 
 PARTS = ("prefix", "block", "suffix")
@@ -88,7 +89,7 @@ class LayerCosts:
             return cost
         part, after, front = self.part_of(shared), int(gate[1]), bool(gate[2])
         whole = [list(part.forward), list(part.backward), weight_grad_fit(part), after, front]
-        if not front:
+        if not front or block_part(shared) != HALF_NAMES[0]:   # an MLP half: per token, nothing else
             return dataclasses.replace(cost, gated=[whole])
         linear = [[0.0 if name in CONTEXT_FEATURES else x for name, x in zip(FEATURES, coefficients)]
                   if coefficients is not None else None for coefficients in whole[:3]]
@@ -226,9 +227,12 @@ def plan_units(plan: PlannedBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granularity: int = 8,
                 microbatch_size: int | None = None, schedule: str = "gpipe", latency: float = 0.0,
-                per_byte: float = 0.0, meta: dict | None = None, rounds: int = 6, shared: bool = True) -> Layout:
-    """Alternate split <-> slices (see the module docstring); pure given ``layers``. ``shared``: also
-    try an attention half shared by the two stages' slices (2 stages, families with halves)."""
+                per_byte: float = 0.0, meta: dict | None = None, rounds: int = 6,
+                shared: tuple = HALF_NAMES, refine: bool = True) -> Layout:
+    """Alternate split <-> slices (see the module docstring); pure given ``layers``. ``shared``: the
+    kinds of half ("attn", "mlp") that may also be tried shared by the two stages' slices (2 stages,
+    families with halves); () for none. ``refine``: the chosen layout's slices are then refined
+    under the simulated step (``refine.refine_slices``)."""
     b = microbatch_size or 1
     plan = with_slices(seq_len, stages, [b] * (batch // b), (seq_len,))   # start: whole sequences
     seen: dict = {}
@@ -251,8 +255,8 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
         if (near.names, 0) not in seen:
             planned(near)
     best = min(seen.values(), key=lambda layout: layout.predicted)
-    if shared and layers.halves and stages == 2:   # an attention half shared by slices (kv_handoff)
-        for names in shared_names(best.split):
+    if shared and layers.halves and stages == 2:   # a half shared by slices (kv_handoff, shared_half)
+        for names in shared_splits(best.split, shared):
             layout = best
             for _ in range(2):   # the threshold that balances the stages at the slices, then re-slice
                 after = balancing_threshold(layers, names, layout.plan)
@@ -265,28 +269,11 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
                 layout = seen[key]
         best = min(seen.values(), key=lambda layout: layout.predicted)
     best.tried = len(seen)
+    if refine:
+        plan = refine_slices(best.plan, best.cost, stages, schedule, granularity)
+        best = dataclasses.replace(best, plan=plan, predicted=predict_time(plan, best.cost, stages, schedule),
+                                   busy=stage_busy(layers, best.split, plan))
     return best
-
-
-def shared_names(split: StageSplit) -> list[tuple]:
-    """The 2-stage splits near ``split`` whose boundary attention half is shared by slices: the back
-    stage's first block's attention (or the front's cut one) also on the front stage, or the front
-    stage's last whole block cut and its attention also on the back stage. Pure."""
-    front, back = split.names
-    out = []
-    first = back[0]
-    if block_part(first) == "block":
-        out.append(((*front, f"{first}.{HALF_NAMES[0]}"), (f"{first}.{HALF_NAMES[0]}", f"{first}.{HALF_NAMES[1]}",
-                                                            *back[1:])))
-    elif block_part(first) == HALF_NAMES[0]:
-        out.append(((*front, first), back))
-    elif block_part(front[-1]) == HALF_NAMES[0]:
-        out.append((front, (front[-1], *back)))
-    last = front[-1]
-    if block_part(last) == "block" and sum(block_part(n) is not None for n in front) > 1:
-        attn, mlp = (f"{last}.{half}" for half in HALF_NAMES)
-        out.append(((*front[:-1], attn), (attn, mlp, *back)))
-    return out
 
 
 def balancing_threshold(layers: LayerCosts, names: tuple, plan: PlannedBatch) -> int | None:

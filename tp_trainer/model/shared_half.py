@@ -1,0 +1,57 @@
+"""A half of the block at a 2-stage boundary, held by both stages and run by slices.
+
+Why: a boundary between whole halves balances two stages only to within a half block. Sharing the
+half by SLICES balances them to a slice's grain: slices starting at or after ``after`` tokens run it
+on the front (earlier) stage, the others on the back stage; where a stage does not run it, the
+hidden state passes unchanged, so the message between the stages keeps its shape.
+
+- An attention half needs the k, v of every earlier slice: ``model/kv_handoff.py`` (the front
+  stage computes the early slices' k, v itself).
+- An MLP half is per token (no context, no cache), so each stage runs it for its slices and nothing
+  else: no work is done twice. GPT-2 6 x 256 at 1024 tokens, planned here: predicted busy 0.336 /
+  0.384 s with the boundary between halves, 0.356 / 0.368 s with ``h.3.mlp`` shared.
+
+Both stages hold the half's modules as a DeepSpeed tied layer (``TiedLayerSpec`` keyed by the name):
+each copy's gradient holds its own slices' part, DeepSpeed's tied reduction sums the two, and the
+export writes the weights once. Each slice's output and each parameter's summed gradient are the
+whole block's.
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .halves import AttentionHalf, MLPHalf
+from .kv_handoff import SharedAttention
+
+
+class SharedMLP(MLPHalf):
+    """The MLP half of one block on one of the two stages that share it (module docstring).
+
+    ``front``: this is the earlier stage; ``after``: slices starting at or after this token run the
+    half on the front stage, the others on the back stage."""
+
+    def __init__(self, inner, hf_name, ctx, *, front: bool, after: int, **options):
+        super().__init__(inner, hf_name, ctx, **options)
+        self.front, self.after = front, after
+
+    def forward(self, hidden):
+        if (self.ctx.start >= self.after) == self.front:
+            return super().forward(hidden)
+        return hidden
+
+
+def shared_specs(half: LayerSpec, name: str, after: int) -> list:
+    """The front and the back stage's layer specs of the half ``half`` (a LayerSpec of an
+    ``AttentionHalf`` or ``MLPHalf``, or of a family's subclass) named ``name``: TiedLayerSpecs keyed
+    by the name, so each stage builds its own layer on the same HF modules and DeepSpeed sums their
+    gradients between the two stages."""
+    children, hf_name, ctx = half.module_args[:3]
+    tied = [f"inner.{n}" for n, _ in children.named_parameters()]
+    shared, base = ((SharedAttention, AttentionHalf) if issubclass(half.typename, AttentionHalf)
+                    else (SharedMLP, MLPHalf))
+    cls = (shared if half.typename is base
+           else type(f"Shared{half.typename.__name__}", (shared, half.typename), {}))
+    return [TiedLayerSpec("shared_" + name.replace(".", "_"), cls, children, hf_name, ctx, front=front, after=after,
+                          tied_weight_attr=tied, **half.module_kwargs)
+            for front in (True, False)]
