@@ -51,7 +51,7 @@ def summarize_run(args, res: dict) -> dict:
             "c_over_a_paired": statistics.median(a / c for a, c in zip(steps[A], steps[C], strict=True)),
             "eff_vs_a": med[A] / k / med[C], "eff_vs_d": med[D] / k / med[C],
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
-            "eff_vs_probe_order": order_ideal / med[C],
+            "eff_vs_probe_order": order_ideal / med[C], "ceiling": med[A] / probe_ideal,
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
             "profile_load": res.get("profile_load"), "splits": res.get("splits", {}),
@@ -117,7 +117,9 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                    f"efficiency of (c) vs (a)/K {_spread([r['eff_vs_a'] for r in runs])}, vs (d)/K "
                    f"{_spread([r['eff_vs_d'] for r in runs])}, vs the stage probe "
                    f"{_spread([r['eff_vs_probe'] for r in runs])}, vs the stage probe in step order "
-                   f"{_spread([r.get('eff_vs_probe_order', float('nan')) for r in runs])}"),
+                   f"{_spread([r.get('eff_vs_probe_order', float('nan')) for r in runs])}; the most (c)/(a) "
+                   f"that (c)'s stages allow with no bubble, messages or tail ((a) / the busiest stage's probe): "
+                   f"{_spread([r.get('ceiling', float('nan')) for r in runs])}"),
               *([f"(c') whole blocks over (c) (a block cut where it balances better), paired per-step ratio: "
                  f"{_spread([r['whole_over_cut_paired'] for r in runs])} (median (min-max) over runs; > 1: the cut "
                  f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]

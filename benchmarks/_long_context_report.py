@@ -156,6 +156,8 @@ def table(model: str, results: dict, batch: int, cap_gib: float, paired: dict | 
             plan = stages[0].get("plan") or {}
             plan_text = plan.get("chosen") or (f"{len(plan['slices'])} slices, {plan.get('schedule')}"
                                                if plan.get("slices") else "")
+            if plan.get("split"):   # its "|" between stages escaped: the table's cells are split at "|"
+                plan_text += "; split " + plan["split"].replace("|", "\\|")
             lines.append(f"| {SHORT[variant]} | {row['length']} | "
                          + " / ".join(f"{s['peak_bytes'] / GIB:.2f}" for s in stages) + " | "
                          + " / ".join(f"{(s['peak_bytes'] - s['base_bytes']) / GIB:.2f}" for s in stages) + " | "

@@ -167,6 +167,11 @@ def plan_of(engine) -> dict:
         return {}
     out = {"slices": list(plan.slices), "schedule": getattr(engine, "schedule_name", None),
            "ckpt_interval": getattr(engine.module, "activation_checkpoint_interval", 0)}
+    split = getattr(engine.module, "stage_split", None)
+    if split is not None:  # the layers per stage, and a half the two stages share by slices
+        shared = split.shared()
+        out["split"] = (" | ".join(" ".join(names) for names in split.names)
+                        + ("" if shared is None else f" ({shared[1]} shared from token {split.shared_after})"))
     budget = getattr(engine, "memory_budget", None)
     if budget:
         out["predicted_peak_gib"] = budget["predicted_mb"] / 1024

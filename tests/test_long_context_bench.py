@@ -83,12 +83,14 @@ def test_table_and_predictions():
     for row in results["e"]["rows"]:
         for stage in row["stages"]:
             stage["plan"] = {"predicted_peak_gib": stage["peak_bytes"] / GIB * 1.05, "predicted_step_s": 0.3,
-                             "chosen": "DP (9 slices), 1f1b, checkpointing on stage 0", "slices": [1]}
+                             "chosen": "DP (9 slices), 1f1b, checkpointing on stage 0", "slices": [1],
+                             "split": "embed h.0 h.1.attn | h.1.attn h.1.mlp norm head (h.1.attn shared from token 512)"}
     goals = {name: met for name, met, _ in report.goals(results, batch=1)}
     assert goals["(e) predicted peak memory within 10%"] is True
     assert goals["(e) predicted step time within 15%"] is False  # 0.3 s predicted, 0.2 / 0.4 s measured
     text = report.table("Llama", results, 1, 2.0)
     assert "| (e) | 4096 | 0.38 / 0.38 |" in text and "checkpointing on stage 0" in text
+    assert "; split embed h.0 h.1.attn \\| h.1.attn h.1.mlp norm head (h.1.attn shared from token 512) |" in text
     assert "- (e) TeraPipe, memory-aware plan: 4096 tokens (stopped: predicted peak" in text
 
 

@@ -151,6 +151,43 @@ def test_resume_on_another_layout(reference, tmp_path, name):
     assert_continues(out, reference)
 
 
+def shared_cost_model(directory) -> str:
+    """A cost model of gpt2-tiny (4 blocks x 256) under which the planner shares h.2's MLP half by
+    slices between the 2 stages (test_shared_half's costs: its head makes a boundary between halves
+    leave the stages 12 | 13.5 units apart)."""
+    from test_kv_handoff import _layer_costs
+    from tp_trainer.model.split import StageSplit
+    from tp_trainer.planner.layer_cost import plan_layout
+    layers = _layer_costs(0.0, head=5.5e-5)
+    assert plan_layout(layers, 64, 4, 2, 8, 2, "gpipe", 1e-4, 1e-10).split.shared() == (0, "h.2.mlp")
+    path = str(directory / "shared_cost.json")
+    split = StageSplit.from_names([["embed", "pos", "h.0", "h.1"], ["h.2", "h.3", "norm", "head"]])
+    layers.pipeline_cost(split, 1e-4, 1e-10, {"seq_len": 64}).save(path)
+    return path
+
+
+@needs_launcher
+def test_resume_onto_and_from_a_shared_half(reference, tmp_path):
+    """Step 10 continues to step 15 on a layout whose stages share h.2's MLP half by slices (planned
+    from a cost model made for it; its slices are the planner's), saved there; step 15 continues on
+    the reference's own layout. Every step and the final weights equal the unbroken run's."""
+    middle, shared = 15, tmp_path / "shared"
+    copy_checkpoint(reference, shared, f"step{SAVED}")
+    config = config_variant(tmp_path, "shared", terapipe={"slices": "auto", "cost_model": shared_cost_model(tmp_path)})
+    log = launch(2, config, shared, "--max_steps", str(middle), "--save_interval", "5", "--no_save_hf", "--resume")
+    assert "h.2.mlp shared by stages 0 and 1" in log, log[-3000:]
+    assert f"resumed from step{SAVED} at step {SAVED} ({SAVED * 4} samples consumed, layout-free)" in log, log[-3000:]
+    back = tmp_path / "back"
+    copy_checkpoint(shared, back, f"step{middle}")
+    log = launch(2, config_variant(tmp_path, "back"), back, "--max_steps", str(STEPS), "--resume")
+    assert f"resumed from step{middle} at step {middle} (60 samples consumed, layout-free)" in log, log[-3000:]
+    got = {**losses(shared), **losses(back)}
+    assert sorted(got) == list(range(SAVED + 1, STEPS + 1)), got
+    assert max(loss_errors(got, losses(reference)).values()) <= LOSS_RTOL, (got, losses(reference))
+    errors = param_errors(final_params(back), final_params(reference))
+    assert max(errors.values()) <= PARAM_RTOL, errors
+
+
 @needs_launcher
 def test_zero1_save_resumes_without_zero(reference, zero1_save, tmp_path):
     source, _ = zero1_save

@@ -79,10 +79,10 @@ class TeraPipeConfig:
     split_blocks: bool = True
     """With "auto" slices: a stage boundary may fall inside a decoder block, between its attention and
     its MLP, where the family allows it (GPT-2, Llama, Qwen2, Mistral; ``model/halves.py``): the
-    profile then times the two halves apart; on 2 stages with SDPA attention and no memory limit the
-    attention half at the boundary may also be shared by the two stages' slices
-    (``model/kv_handoff.py``). false: whole blocks per stage (DeepSpeed's per-layer checkpoint files
-    then keep one file per block)."""
+    profile then times the two halves apart; on 2 stages with no memory limit a half near the
+    boundary may also be shared by the two stages' slices: an MLP half (``model/shared_half.py``),
+    or with SDPA attention an attention half (``model/kv_handoff.py``). false: whole blocks per
+    stage (DeepSpeed's per-layer checkpoint files then keep one file per block)."""
 
     def __post_init__(self):
         self._check_memory_limit()

@@ -122,9 +122,10 @@ def model_record(config) -> dict:
     return {"model_type": config.model_type, "vocab_size": getattr(config, "vocab_size", None), "shapes": shapes}
 
 
-def load(engine, point) -> tuple[int, int]:
+def load(engine, point) -> tuple[int, int, bool]:
     """Restore what ``point`` (``resume_checks.ResumePoint``) says; returns (step, global samples
-    consumed: where the data continues)."""
+    consumed: where the data continues, whether DeepSpeed's own files were read: the same layout,
+    not only the same stages and replicas but the same pipeline layers)."""
     tag_dir = os.path.join(point.ckpt, point.tag)
     state = point.manifest
     if point.same_layout and not same_layers(state, engine.module.stage_split.layers()):
@@ -142,11 +143,11 @@ def load(engine, point) -> tuple[int, int]:
         engine.global_samples = state["step"] * engine.train_batch_size()
         _reseed(state["step"], engine.global_rank)
     if point.reset_data:
-        return state["step"], 0
+        return state["step"], 0, point.same_layout
     samples = state.get("global_samples")
     if samples is None:  # format 1: per replica, on this same layout
         samples = state["samples"] * engine.dp_world_size
-    return state["step"], samples
+    return state["step"], samples, point.same_layout
 
 
 def same_layers(state: dict, layers: list[str]) -> bool:

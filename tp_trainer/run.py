@@ -131,10 +131,11 @@ def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
     engine.activation_tracker = ActivationTracker(engine.module.parameters())
     together("checking the validation set", check_validation_size, engine, validation, args.eval_batches)
     resume_from = spec.resume_from
-    first_step, samples = together("resuming", resume.load, engine, resume_from) if resume_from else (0, 0)
-    if resume_from and rank == 0:
+    first_step, samples, same = (together("resuming", resume.load, engine, resume_from) if resume_from
+                                 else (0, 0, False))
+    if resume_from and rank == 0:  # ``same``: load's decision (another split of the layers reads layout-free)
         log.info("resumed from %s at step %d (%d samples consumed, %s)", resume_from.tag, first_step, samples,
-                 "same layout" if resume_from.same_layout else "layout-free")
+                 "same layout" if same else "layout-free")
     batches = step_batches(dataset, engine.micro_batch_size, engine.micro_batches, engine.grid.data_parallel_id,
                            engine.dp_world_size, start=samples)
     return Job(engine, config, tokenizer, validation, batches, first_step, samples)

@@ -13,9 +13,11 @@ costs the sum of the parts' coefficient vectors: every split is priced without p
 ``plan_layout`` alternates: split the layers by their cost at the current slices
 (``model.split.split_by_cost``, the busiest stage least), plan the slices for that split's stage
 costs (TeraPipe's DP), until a split repeats; then it tries the best split's neighbours (one
-boundary moved by one unit); on 2 stages it then tries sharing the attention half at the boundary by
-slices (``model/kv_handoff.py``: the threshold that balances the stages' busy time at the slices,
-then the slices again, twice); it keeps the (split, plan) of least predicted step.
+boundary moved by one unit); on 2 stages it then tries sharing a half near the boundary by slices
+(an attention half: ``model/kv_handoff.py``; an MLP half: ``model/shared_half.py``; the threshold
+that balances the stages' busy time at the slices, then the slices again, twice); it keeps the
+(split, plan) of least predicted step, and refines that plan's slices under the simulated step
+(``refine.py``).
 The split is a plain value, known before DeepSpeed's PipelineModule is built.
 """
 
@@ -78,10 +80,11 @@ class LayerCosts:
 
     def stage_cost(self, names, gate: tuple | None = None) -> StageCost:
         """The StageCost of a stage holding ``names`` (sum of its parts' coefficients); ``gate``:
-        (name, after, front) of an attention half this stage shares with its neighbour
-        (model/kv_handoff.py), which then counts for the slices it runs here (``StageCost.gated``):
-        on the front stage those from token ``after`` on, plus the linear part (no context term) for
-        the earlier ones, whose k, v it computes; on the back stage the earlier ones."""
+        (name, after, front) of a half this stage shares with its neighbour (model/shared_half.py),
+        which then counts for the slices it runs here (``StageCost.gated``): on the front stage
+        those from token ``after`` on, on the back stage the earlier ones; an attention half also
+        costs the front stage its linear part (no context term) for the earlier slices, whose k, v
+        it computes (model/kv_handoff.py)."""
         shared = gate[0] if gate else None
         cost = summed_cost([self.part_of(n) for n in names if n != shared and self.part_of(n) is not None],
                            self.block)
@@ -96,7 +99,7 @@ class LayerCosts:
         return dataclasses.replace(cost, gated=[whole, [*linear, after, False]])
 
     def stage_costs(self, split: StageSplit) -> list[StageCost]:
-        """One StageCost per stage of ``split`` (a shared attention half gated on its two stages)."""
+        """One StageCost per stage of ``split`` (a shared half gated on its two stages)."""
         shared, gates = split.shared(), [None] * len(split.names)
         if shared is not None:
             gates[shared[0]] = (shared[1], split.shared_after, True)
