@@ -68,7 +68,12 @@ def _run_whole(layers, x):
 @pytest.mark.parametrize("after", [0, 10, 18, 24])
 def test_shared_attention_equals_the_whole_block(make, rtol, after):
     model = make()
-    contexts, stages, whole = _stages(model, after, "sdpa")
+    assert_stages_equal_whole(model, *_stages(model, after, "sdpa"), rtol)
+
+
+def assert_stages_equal_whole(model, contexts, stages, whole, rtol):
+    """Two stages run slice by slice give the whole block's outputs (to 1e-12), input gradient and
+    every parameter's summed gradient (to ``rtol``, relative to each tensor's largest entry)."""
     x = torch.randn(1, sum(SLICES), model.config.hidden_size, dtype=torch.float64, requires_grad=True)
     want = _run_whole(whole, x)
     grads_want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -11,7 +11,7 @@ from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.shared_half import shared_specs
 from tp_trainer.model.split import StageSplit, shared_splits
 from test_halves import _gpt2, _llama, _opt
-from test_kv_handoff import SLICES, _layer_costs, _run_two_stages, _run_whole
+from test_kv_handoff import SLICES, _layer_costs, _run_two_stages, assert_stages_equal_whole
 
 
 def _stages(model, after):
@@ -30,19 +30,7 @@ def _stages(model, after):
 @pytest.mark.parametrize("after", [0, 10, 18, 24])
 def test_shared_mlp_equals_the_whole_block(make, after):
     model = make()
-    contexts, stages, whole = _stages(model, after)
-    x = torch.randn(1, sum(SLICES), model.config.hidden_size, dtype=torch.float64, requires_grad=True)
-    want = _run_whole(whole, x)
-    grads_want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    x_grad_want, x.grad = x.grad.clone(), None
-    model.zero_grad(set_to_none=True)
-    got = _run_two_stages(contexts, stages, x)
-    grads_got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(x.grad, x_grad_want, rtol=1e-10, atol=1e-12)
-    assert grads_got.keys() == grads_want.keys()
-    for name, grad in grads_want.items():
-        torch.testing.assert_close(grads_got[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert_stages_equal_whole(model, *_stages(model, after), rtol=1e-10)
 
 
 def test_each_stage_runs_the_mlp_for_its_slices_only():
