@@ -80,5 +80,21 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+def exit_code(stop: SystemExit) -> int:
+    """The exit code a ``SystemExit`` carries (a message instead of a code is printed: exit 1)."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 if __name__ == "__main__":
-    leave(main())
+    try:
+        code = main()
+    except SystemExit as stop:  # a run stopped on every rank (RunStopped), bad input, argparse: the
+        code = exit_code(stop)  # same exit code, without the process group's destructors either
+    except BaseException:  # a bug: its traceback, then out the same way
+        import traceback
+        traceback.print_exc()
+        code = 1
+    leave(code)
