@@ -51,3 +51,16 @@ def test_a_plan_with_differently_sliced_microbatches_is_kept():
     from tp_trainer.planner.dp import PlannedBatch
     plan = PlannedBatch(64, 2, (1, 1), ((32, 32), (16, 48)), 1.0, 0.5)
     assert refine_slices(plan, _cost(), 2) is plan
+
+
+def test_the_search_keeps_to_its_budget():
+    """Hundreds of slices (no per-slice cost: the DP slices finely) make one round of moves take
+    minutes; the search stops at its budget with the best move seen so far."""
+    import time
+    cost = _cost(constant=0.0)
+    plan, _ = make_plan(cost, 2048, 1, 2, 8, schedule="gpipe")
+    assert len(plan.slices[0]) > 100
+    start = time.perf_counter()
+    refined = refine_slices(plan, cost, 2, "gpipe", 8, budget_s=1.0)
+    assert time.perf_counter() - start < 5.0
+    assert predict_time(refined, cost, 2) <= predict_time(plan, cost, 2)
