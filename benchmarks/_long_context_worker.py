@@ -353,7 +353,8 @@ def worker(args) -> None:
 def main() -> None:
     args = SimpleNamespace(**json.loads(sys.argv[1]))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    worker(args)
+    from _ranks import run_rank
+    run_rank(worker, args)
 
 
 if __name__ == "__main__":

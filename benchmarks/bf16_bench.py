@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
+from _ranks import ROOT, is_rank, launch, quiet_deepspeed, run_rank, write_results
 
 PRECISIONS = ("fp32", "bf16")
 SETUP = ("steps", "n_layer", "n_embd", "n_head", "seq_len", "slices", "microbatch", "microbatches", "lr", "warmup",
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if is_rank():
-        worker(args)
+        run_rank(worker, args)
         return
     tmp = tempfile.mkdtemp(prefix="bf16_bench_")
     passed = [x for k in SETUP for x in (f"--{k}", str(getattr(args, k)))]

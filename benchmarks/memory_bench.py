@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed, write_results
+from _ranks import ROOT, is_rank, launch, quiet_deepspeed, run_rank, write_results
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -214,7 +214,7 @@ def main() -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if is_rank():
-        worker(args)
+        run_rank(worker, args)
         return
     tmp = tempfile.mkdtemp(prefix="memory_bench_")
     common = ["--config_name", args.config_name, "--vocab_size", str(args.vocab_size), "--seq_len", str(args.seq_len),

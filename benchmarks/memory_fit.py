@@ -25,7 +25,7 @@ import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import ROOT, is_rank, launch  # noqa: E402
+from _ranks import ROOT, is_rank, launch, run_rank  # noqa: E402
 
 MIB = 2 ** 20
 DEFAULT_PLANS = "uniform:8/gpipe/00,uniform:8/1f1b/00,uniform:8/gpipe/11,uniform:8/1f1b/10"
@@ -201,7 +201,7 @@ def line(rows: list[dict]) -> str:
 def main() -> None:
     if is_rank():
         args = SimpleNamespace(**json.loads(sys.argv[1]))
-        worker(args)
+        run_rank(worker, args)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="llama", choices=("llama", "gpt2"))

@@ -116,7 +116,8 @@ def main() -> None:
     args = p.parse_args()
     args.uniform = [int(x) for x in args.uniform.split(",") if x]
     if "RANK" in os.environ:
-        worker(args)
+        from _ranks import run_rank
+        run_rank(worker, args)
         return
     from multirank import run_ranks
     tmp = tempfile.mkdtemp(prefix="plan_bench_")

@@ -7,7 +7,7 @@ import torch
 
 from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.halves import half_spec
-from tp_trainer.model.shared_half import shared_specs
+from tp_trainer.model.stage_specs import shared_specs
 from tp_trainer.model.layers import SliceContext
 from tp_trainer.model.slice_cache import SequenceKV
 from test_halves import _gpt2, _gpt_neo, _llama, _opt

@@ -8,7 +8,7 @@ import torch
 from tp_trainer.model.adapters import adapter_for
 from tp_trainer.model.halves import half_spec
 from tp_trainer.model.layers import SliceContext
-from tp_trainer.model.shared_half import shared_specs
+from tp_trainer.model.stage_specs import shared_specs
 from tp_trainer.model.split import StageSplit, shared_splits
 from test_halves import _gpt2, _llama, _opt
 from test_kv_handoff import SLICES, _layer_costs, _run_two_stages, assert_stages_equal_whole

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from .halves import AttentionHalf
+from .shared_half import runs_here
 from .slice_cache import SliceCache
 
 
@@ -85,7 +86,7 @@ class SharedAttention(AttentionHalf):
         self.front, self.after = front, after
 
     def forward(self, hidden):
-        if (self.ctx.start >= self.after) == self.front:
+        if runs_here(self):
             return super().forward(hidden)
         return self._keys_only(hidden) if self.front else hidden
 

@@ -11,7 +11,7 @@ hidden state passes unchanged, so the message between the stages keeps its shape
   else: no work is done twice. GPT-2 6 x 256 at 1024 tokens, planned here: predicted busy 0.336 /
   0.384 s with the boundary between halves, 0.356 / 0.368 s with ``h.3.mlp`` shared.
 
-Both stages hold the half's modules as a DeepSpeed tied layer (``TiedLayerSpec`` keyed by the name):
+Both stages hold the half's modules as a DeepSpeed tied layer (``stage_specs.shared_specs``):
 each copy's gradient holds its own slices' part, DeepSpeed's tied reduction sums the two, and the
 export writes the weights once. Each slice's output and each parameter's summed gradient are the
 whole block's.
@@ -19,10 +19,14 @@ whole block's.
 
 from __future__ import annotations
 
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from .halves import MLPHalf
 
-from .halves import AttentionHalf, MLPHalf
-from .kv_handoff import SharedAttention
+
+def runs_here(layer) -> bool:
+    """Whether ``layer`` (a shared half on one of its two stages: ``front``, ``after``, ``ctx``) runs
+    its half for the current slice: the front stage for the slices starting at or after ``after``,
+    the back stage for the earlier ones. The planner prices the same rule (``StageCost.gated``)."""
+    return (layer.ctx.start >= layer.after) == layer.front
 
 
 class SharedMLP(MLPHalf):
@@ -36,22 +40,4 @@ class SharedMLP(MLPHalf):
         self.front, self.after = front, after
 
     def forward(self, hidden):
-        if (self.ctx.start >= self.after) == self.front:
-            return super().forward(hidden)
-        return hidden
-
-
-def shared_specs(half: LayerSpec, name: str, after: int) -> list:
-    """The front and the back stage's layer specs of the half ``half`` (a LayerSpec of an
-    ``AttentionHalf`` or ``MLPHalf``, or of a family's subclass) named ``name``: TiedLayerSpecs keyed
-    by the name, so each stage builds its own layer on the same HF modules and DeepSpeed sums their
-    gradients between the two stages."""
-    children, hf_name, ctx = half.module_args[:3]
-    tied = [f"inner.{n}" for n, _ in children.named_parameters()]
-    shared, base = ((SharedAttention, AttentionHalf) if issubclass(half.typename, AttentionHalf)
-                    else (SharedMLP, MLPHalf))
-    cls = (shared if half.typename is base
-           else type(f"Shared{half.typename.__name__}", (shared, half.typename), {}))
-    return [TiedLayerSpec("shared_" + name.replace(".", "_"), cls, children, hf_name, ctx, front=front, after=after,
-                          tied_weight_attr=tied, **half.module_kwargs)
-            for front in (True, False)]
+        return super().forward(hidden) if runs_here(self) else hidden

@@ -1,11 +1,14 @@
 """The layer specs of a split's stages: the adapter's whole-block specs, with the blocks at a stage
 boundary cut in halves (``model/halves.py``) and a half two stages share by slices replaced by its
-two stages' tied specs (``model/shared_half.py``)."""
+two stages' tied specs (``model/shared_half.py``, ``model/kv_handoff.py``)."""
 
 from __future__ import annotations
 
-from .halves import ATTN, MLP, family_halves, half_spec
-from .shared_half import shared_specs
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .halves import ATTN, MLP, AttentionHalf, MLPHalf, family_halves, half_spec
+from .kv_handoff import SharedAttention
+from .shared_half import SharedMLP
 from .split import StageSplit, layer_names
 
 
@@ -45,3 +48,19 @@ def specs_for_layers(specs: list, whole_names, layers, adapter) -> list:
                              f"family whose adapter names its HALVES")
         out.append(half_spec(specs[index[block]], half, adapter))
     return out
+
+
+def shared_specs(half: LayerSpec, name: str, after: int) -> list:
+    """The front and the back stage's layer specs of the half ``half`` (a LayerSpec of an
+    ``AttentionHalf`` or ``MLPHalf``, or of a family's subclass) named ``name``: TiedLayerSpecs keyed
+    by the name, so each stage builds its own layer on the same HF modules and DeepSpeed sums their
+    gradients between the two stages."""
+    children, hf_name, ctx = half.module_args[:3]
+    tied = [f"inner.{n}" for n, _ in children.named_parameters()]
+    shared, base = ((SharedAttention, AttentionHalf) if issubclass(half.typename, AttentionHalf)
+                    else (SharedMLP, MLPHalf))
+    cls = (shared if half.typename is base
+           else type(f"Shared{half.typename.__name__}", (shared, half.typename), {}))
+    return [TiedLayerSpec("shared_" + name.replace(".", "_"), cls, children, hf_name, ctx, front=front, after=after,
+                          tied_weight_attr=tied, **half.module_kwargs)
+            for front in (True, False)]

@@ -281,7 +281,7 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
 
 def balancing_threshold(layers: LayerCosts, names: tuple, plan: PlannedBatch) -> int | None:
     """The slice start (of ``plan``'s first microbatch) from which the front stage runs the shared
-    attention half so that the busier of the two stages is least busy (None: one slice)."""
+    half so that the busier of the two stages is least busy (None: one slice)."""
     starts = np.concatenate([[0], np.cumsum(plan.slices[0])])[1:-1]
     if not len(starts):
         return None

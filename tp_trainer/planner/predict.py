@@ -170,10 +170,15 @@ def choose_plan(cost: PipelineCost, seq_len: int, batch: int, stages: int, granu
     label = min(times, key=lambda k: (times[k], list(times).index(k)))
     plan = cands[label]
     if label.startswith("uniform"):
-        dp = cands["DP"]
-        closed = plan_time(cost.planning_cost(stages), plan.microbatch_sizes, plan.slices, stages)
-        plan = PlannedBatch(seq_len, stages, plan.microbatch_sizes, plan.slices, *closed, dp.uniform)
+        plan = closed_form(plan, cost, stages, cands["DP"].uniform)
     return plan, times
+
+
+def closed_form(plan: PlannedBatch, cost: PipelineCost, stages: int, uniform: dict) -> PlannedBatch:
+    """``plan`` (slices not from the DP: a uniform or a refined plan) with the DP's closed form under
+    ``cost`` as its ``predicted_time`` / ``t_max``, and ``uniform`` as its uniform plans' times."""
+    closed = plan_time(cost.planning_cost(stages), plan.microbatch_sizes, plan.slices, stages)
+    return PlannedBatch(plan.seq_len, stages, plan.microbatch_sizes, plan.slices, *closed, uniform)
 
 
 def _climb_uniform(cands: dict, times: dict, cost: PipelineCost, stages: int, schedule: str,

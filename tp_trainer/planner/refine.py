@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 
 from .cost_model import PipelineCost
-from .dp import PlannedBatch, plan_time
-from .predict import predict_time, with_slices
+from .dp import PlannedBatch
+from .predict import closed_form, predict_time, with_slices
 
 MOVES = (1, 2, 4, 8)   # granules moved between neighbouring slices in one move
 
@@ -56,9 +56,7 @@ def refine_slices(plan: PlannedBatch, cost: PipelineCost, stages: int, schedule:
         best_s, best = found
     if best == tuple(plan.slices[0]):
         return plan
-    slices = (best,) * len(sizes)
-    return PlannedBatch(plan.seq_len, stages, sizes, slices, *plan_time(cost.planning_cost(stages), sizes, slices,
-                                                                        stages), plan.uniform)
+    return closed_form(with_slices(plan.seq_len, stages, sizes, best), cost, stages, plan.uniform)
 
 
 def _moves(slices: tuple, granularity: int) -> list[tuple]:
