@@ -55,7 +55,8 @@ def ds_config(args, terapipe: dict | None = None, pipeline: dict | None = None) 
                                                         "fused": FUSED}},
               "pipeline": {"stages": args.stages, **(pipeline or {})}}
     if terapipe is not None:
-        config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe", **terapipe}
+        config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe",
+                              "bind_cores": getattr(args, "bind_cores", True), **terapipe}
     return config
 
 

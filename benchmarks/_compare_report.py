@@ -92,9 +92,10 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
              "c_predicted_within_10pct": _predicted_error(runs[-1], C) is not None
              and abs(_predicted_error(runs[-1], C)) <= 0.10}
     yes = {True: "met", False: "NOT met"}
+    bound = "each rank on its own core" if getattr(args, "bind_cores", True) else "ranks not bound to cores"
     lines = [(f"GPT-2 {args.n_layer} x {args.n_embd} ({args.n_head} heads, vocab {args.vocab_size}, dropout 0), "
               f"{k} stages, batch {args.batch} x seq {args.seq_len} = {tokens} tokens/step, microbatch size 1, "
-              f"1 thread/rank, random tokens, AdamW; {len(runs)} runs (fresh process pairs) x ({args.warmup} "
+              f"1 thread/rank, {bound}, random tokens, AdamW; {len(runs)} runs (fresh process pairs) x ({args.warmup} "
               f"warm-up + {args.steps} timed steps per variant), variants taking turns step by step"), "",
              ("| variant | slices | tokens/s | step s (median of run medians) | fastest step s | ratio to (a) "
               "| efficiency vs (d)/K | predicted s | first-step loss |"), "|---|---|---|---|---|---|---|---|---|"]

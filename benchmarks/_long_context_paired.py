@@ -36,9 +36,10 @@ def worker(ns) -> None:
     import _compare_models as cm
     import torch
     from _long_context_worker import build
-    from _ranks import quiet_deepspeed
+    from _ranks import bind_rank, quiet_deepspeed
     from tp_trainer.initialize import init_process_group
     torch.set_num_threads(1)
+    bind_rank()
     quiet_deepspeed()
     init_process_group()
     engines = {"a": build("a", ns, ns.work, None), "c": build("c", ns, ns.work, None)}

@@ -272,9 +272,10 @@ def _machine_room() -> float:
 def worker(args) -> None:
     import torch
     import torch.distributed as tdist
-    from _ranks import quiet_deepspeed
+    from _ranks import bind_rank, quiet_deepspeed
     from tp_trainer.initialize import init_process_group
     torch.set_num_threads(1)
+    bind_rank()
     quiet_deepspeed()
     init_process_group()  # the stock engine's per-stage weights need it before deepspeed.initialize
     rank = int(os.environ["RANK"])

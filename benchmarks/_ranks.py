@@ -40,6 +40,17 @@ def run_rank(worker, args) -> None:
         os._exit(1)
 
 
+def bind_rank(enabled: bool = True) -> None:
+    """This rank on its own core(s), as ``terapipe.bind_cores`` puts a training rank (every variant
+    of a benchmark then runs bound, DeepSpeed's stock engine too); rank 0 says where it runs."""
+    from deepspeed.accelerator import get_accelerator
+
+    from tp_trainer.cpu_binding import bind_cores
+    line = bind_cores(enabled, get_accelerator().device_name())
+    if line and os.environ.get("RANK") == "0":
+        print(f"[rank 0] {line}", flush=True)
+
+
 def quiet_deepspeed() -> None:
     """DeepSpeed's info lines (config dumps, timers) would bury the progress bar."""
     import logging

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compare_report import A, C, D, WHOLE, render, summarize_run
-from _ranks import ROOT, is_rank, launch, quiet_deepspeed, run_rank, write_results
+from _ranks import ROOT, bind_rank, is_rank, launch, quiet_deepspeed, run_rank, write_results
 
 
 
@@ -52,6 +52,7 @@ def worker(args) -> None:
     import torch.distributed as tdist
     from tqdm import tqdm
     torch.set_num_threads(1)
+    bind_rank(args.bind_cores)
     quiet_deepspeed()
     rank = int(os.environ["RANK"])
     say = (lambda text: print(f"[compare] {text}", flush=True)) if rank == 0 else (lambda text: None)
@@ -285,6 +286,8 @@ def main() -> None:
     p.add_argument("--whole_blocks", action="store_true",
                    help=f"also {WHOLE}: the DP plan with the stages split between whole blocks only")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no_bind_cores", dest="bind_cores", action="store_false",
+                   help="leave every rank on every core (terapipe.bind_cores false): the launcher's default")
     p.add_argument("--runs", type=int, default=3, help="fresh process pairs; figures are medians over runs")
     p.add_argument("--goal", type=float, default=None,
                    help="(c)/(a) goal; default issue 13's for the case: 1.8, 1.85 for 8 x 512, 1.3 with batch >= 4")

@@ -84,8 +84,17 @@ class TeraPipeConfig:
     or with SDPA attention an attention half (``model/kv_handoff.py``). false: whole blocks per
     stage (DeepSpeed's per-layer checkpoint files then keep one file per block)."""
 
+    bind_cores: bool = True
+    """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the
+    cores and run that many torch threads (``tp_trainer/cpu_binding.py``), as ``deepspeed
+    --bind_cores_to_rank`` does with numactl. Left alone where the launcher bound the ranks already or
+    there are fewer cores than ranks; no effect on GPUs. false: the launcher's defaults (every rank
+    on every core, torch's default thread count)."""
+
     def __post_init__(self):
         self._check_memory_limit()
+        if not isinstance(self.bind_cores, bool):
+            raise ConfigError(f"terapipe.bind_cores: must be true or false, got {self.bind_cores!r}")
         if not isinstance(self.split_blocks, bool):
             raise ConfigError(f"terapipe.split_blocks: must be true or false, got {self.split_blocks!r}")
         if not isinstance(self.defer_weight_grads, bool):

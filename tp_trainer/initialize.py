@@ -8,6 +8,7 @@ in ``checks.py``; a caller that ran them already (``run.py``) hands their ``Pipe
 
 from __future__ import annotations
 
+import logging
 import os
 
 import deepspeed
@@ -18,6 +19,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from .checkpoint import materialize_stage
 from .checks import PipelineSpec, check_pipeline
 from .config import load_ds_config
+from .cpu_binding import bind_cores
 from .engine import TeraPipeEngine
 from .failures import together
 from .ds_compat import stage_of_rank
@@ -30,6 +32,14 @@ def launch_world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def bind_rank_cores(terapipe) -> None:
+    """``terapipe.bind_cores``: on CPU, this rank on its own cores (``cpu_binding``), said in the log;
+    before the process group, so gloo's threads start on them."""
+    line = bind_cores(terapipe.bind_cores, get_accelerator().device_name())
+    if line:
+        logging.getLogger("tp_trainer").info(line)
 
 
 def init_process_group(dist_init_required=None) -> None:
@@ -60,6 +70,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     if spec is None:
         spec = check_pipeline(load_ds_config(config), model.config, launch_world_size())
     ds_config, terapipe, stages = spec.ds_config, spec.terapipe, spec.stages
+    bind_rank_cores(terapipe)
     init_process_group(dist_init_required)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = get_accelerator().device_name(local_rank)

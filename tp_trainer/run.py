@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, fields
 
 from tqdm import tqdm
@@ -23,7 +24,7 @@ from .data import build_lm_dataset, get_tokenizer
 from .data.sampling import step_batches
 from .engine import PipelineFailure
 from .failures import BAD_INPUT, INPUT_ERRORS, RunStopped, one_line, together
-from .initialize import init_process_group, initialize, launch_world_size
+from .initialize import bind_rank_cores, init_process_group, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
 from .resume import checkpoint_dir
 
@@ -121,6 +122,7 @@ def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
     ends with every rank agreeing that it succeeded (``failures.together``), so nothing is written
     before all of them have."""
     from .checkpoint import meta_model
+    bind_rank_cores(spec.pipeline.terapipe)
     init_process_group()
     tokenizer, config, dataset, validation = _rank0_first("reading the data", _data, spec, rank)
     if rank == 0:
@@ -183,14 +185,17 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
     per_step = engine.train_batch_size()  # global samples (every replica)
     bar = tqdm(range(job.first_step + 1, args.max_steps + 1), desc="train", disable=rank != 0, dynamic_ncols=True)
     for step in bar:
+        started = time.perf_counter()
         loss = _step(job, args, step)
+        seconds = time.perf_counter() - started
         job.samples += per_step
         check_finite(loss, step, engine.fp16_enabled())
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
         if rank == 0:
             log.info("step %d loss %.4f", step, loss)
-            _append_jsonl(os.path.join(args.output_dir, "train_log.jsonl"), {"step": step, "loss": loss})
+            _append_jsonl(os.path.join(args.output_dir, "train_log.jsonl"),
+                          {"step": step, "loss": loss, "step_s": round(seconds, 4)})
         if step % args.eval_interval == 0 or step == args.max_steps:
             evaluate(engine, job.validation, args, step=step, rank=rank)
             log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker,
