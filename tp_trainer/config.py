@@ -86,8 +86,8 @@ class TeraPipeConfig:
 
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the
-    cores and run that many torch threads (``tp_trainer/cpu_binding.py``), as ``deepspeed
-    --bind_cores_to_rank`` does with numactl. Left alone where the launcher bound the ranks already or
+    cores and run that many torch threads (``tp_trainer/cpu_binding.py``), as DeepSpeed's launcher
+    does with its bind_cores_to_rank option (numactl). Left alone where the launcher bound the ranks already or
     there are fewer cores than ranks; no effect on GPUs. false: the launcher's defaults (every rank
     on every core, torch's default thread count)."""
 
