@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tp_trainer.config import ConfigError, TeraPipeConfig
-from tp_trainer.cpu_binding import bind_cores, share
+from tp_trainer.cpu_binding import bind_cores, machine_cpus, parse_cpu_list, share
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,13 @@ def test_each_local_rank_takes_its_own_share(allowed, cpus, rank, ranks, cores):
 def test_leaves_the_rank_alone_and_says_why(allowed, cpus, rank, ranks, reason):
     cores, why = share(allowed, cpus, rank, ranks)
     assert cores == [] and why.startswith(reason), why
+
+
+def test_cpu_list_format():
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpu_list("5") == [5]
+    with pytest.raises(ValueError):
+        parse_cpu_list("")
 
 
 def test_no_binding_when_off_or_on_a_gpu():
@@ -73,7 +80,7 @@ def test_a_rank_binds_every_thread_and_sets_torch_threads(local_rank):
                          timeout=120, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     allowed = sorted(os.sched_getaffinity(0))
-    cores, why = share(allowed, os.cpu_count(), local_rank, 2)
+    cores, why = share(allowed, machine_cpus(), local_rank, 2)
     assert got["again"] is None
     if not cores:
         assert why in got["line"] and got["main"] == allowed, got

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tp_trainer.cpu_binding import cores_text, share
+from tp_trainer.cpu_binding import cores_text, machine_cpus, share
 from tp_trainer.run import RunArgs, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +126,7 @@ def test_launcher_trains_two_stages(tmp_path):
     records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9)) and all(r["step_s"] > 0 for r in records), records
     for rank in (0, 1):  # terapipe.bind_cores (on by default): every rank says where it runs
-        cores, why = share(sorted(os.sched_getaffinity(0)), os.cpu_count(), rank, 2)
+        cores, why = share(sorted(os.sched_getaffinity(0)), machine_cpus(), rank, 2)
         said = f"local rank {rank} of 2 bound to cores {cores_text(cores)}" if cores else why
         assert re.search(rf"\[rank {rank}\] [\d:]+ cpu: .*{re.escape(said)}", log), log[-3000:]
 

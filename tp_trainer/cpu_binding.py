@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-_BOUND: list = [None]   # the cores this process bound itself to (binding twice is a no-op)
+_BOUND: list = [None]   # the cores this process bound itself to ([]: none); None: not decided yet
 
 
 def local_ranks() -> tuple[int, int]:
@@ -28,15 +28,37 @@ def local_ranks() -> tuple[int, int]:
     return local, count
 
 
-def share(allowed: list[int], machine_cpus: int, local_rank: int, local_count: int) -> tuple[list[int], str]:
+def machine_cpus() -> int:
+    """CPUs this machine gives the job: its cgroup's cpuset where one is set (a container), else
+    every CPU. A process allowed fewer than these was bound by whoever started it."""
+    try:
+        with open("/sys/fs/cgroup/cpuset.cpus.effective", encoding="ascii") as handle:
+            return len(parse_cpu_list(handle.read()))
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Linux's CPU list format, e.g. "0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"no CPUs in {text!r}")
+    return cpus
+
+
+def share(allowed: list[int], cpus_given: int, local_rank: int, local_count: int) -> tuple[list[int], str]:
     """The cores ``local_rank`` of ``local_count`` ranks takes out of ``allowed`` (this process's
-    CPUs, on a machine of ``machine_cpus``), or ([], why not). A pure function of its arguments.
+    CPUs, of the ``cpus_given`` to the job: ``machine_cpus()``), or ([], why not). A pure function
+    of its arguments.
 
     >>> share([0, 1, 2, 3], 4, 1, 2)
     ([2, 3], '')
     """
     allowed = sorted(allowed)
-    if len(allowed) < machine_cpus:
+    if len(allowed) < cpus_given:
         return [], (f"already bound to cores {cores_text(allowed)} (by the launcher: --bind_cores_to_rank, "
                     f"numactl or taskset)")
     if not 0 <= local_rank < local_count:
@@ -57,7 +79,8 @@ def bind_cores(enabled: bool, device_type: str) -> str | None:
     local_rank, local_count = local_ranks()
     if local_count < 2:  # one rank owns the machine: torch's defaults already fit it
         return None
-    cores, why_not = share(list(os.sched_getaffinity(0)), os.cpu_count() or 1, local_rank, local_count)
+    cores, why_not = share(list(os.sched_getaffinity(0)), machine_cpus(), local_rank, local_count)
+    _BOUND[0] = cores   # decided: a second call says nothing
     if not cores:
         return f"cpu: not binding cores ({why_not})"
     for thread in os.listdir("/proc/self/task"):  # threads started before this keep the old mask
@@ -65,7 +88,6 @@ def bind_cores(enabled: bool, device_type: str) -> str | None:
             os.sched_setaffinity(int(thread), cores)
         except OSError:  # a thread that ended meanwhile
             pass
-    _BOUND[0] = cores
     import torch
     threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS", "").isdigit() else len(cores)
     torch.set_num_threads(max(1, threads))
