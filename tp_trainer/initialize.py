@@ -19,7 +19,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from .checkpoint import materialize_stage
 from .checks import PipelineSpec, check_pipeline
 from .config import load_ds_config
-from .cpu_binding import bind_cores
+from .cpu_binding import bind_cores, local_ranks
 from .engine import TeraPipeEngine
 from .failures import together
 from .ds_compat import stage_of_rank
@@ -72,7 +72,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     ds_config, terapipe, stages = spec.ds_config, spec.terapipe, spec.stages
     bind_rank_cores(terapipe)
     init_process_group(dist_init_required)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank, _ = local_ranks()
     device = get_accelerator().device_name(local_rank)
     baseline_mb = current_rss_mb()  # the memory limit counts from here
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
@@ -138,7 +138,7 @@ def memory_limit_bytes(terapipe, device) -> float | None:
     import torch
     if torch.device(device).type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)  # torchrun / deepspeed
+    _, ranks = local_ranks()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
 
 
