@@ -65,9 +65,10 @@ def launch(script: str, world_size: int, args: list[str], timeout: float = 900) 
     logs = tempfile.mkdtemp(prefix="tp_bench_ranks_")
     procs = []
     for rank in range(world_size):
+        # LOCAL_SIZE as DeepSpeed's launcher sets it (its CPU shared-memory all-reduce needs it)
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+                   LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
         command = [sys.executable, script, *args]
         if rank == 0:  # straight to this terminal: a live progress bar
             procs.append(subprocess.Popen(command, env=env, cwd=ROOT))

@@ -22,15 +22,17 @@ def free_port() -> int:
     return port
 
 
-def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600) -> list[str]:
-    """Run ``python script args`` as ``world_size`` ranks; return each rank's output; fail on error."""
+def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600,
+              env: dict | None = None) -> list[str]:
+    """Run ``python script args`` as ``world_size`` ranks; return each rank's output; fail on error.
+    ``env``: more environment variables for every rank."""
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, stdout=subprocess.PIPE,
+        rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:

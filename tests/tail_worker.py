@@ -44,7 +44,8 @@ def train(case: dict, clip: float) -> dict:
         losses.append(float(engine.train_batch(iter(ec.batches(case, step, replica)))))
         norms.append(engine.get_global_grad_norm())
     params = {n: p.detach().clone() for n, p in hf_named_parameters(engine.module).items()}
-    return {"losses": losses, "norms": norms, "params": params, "stage": engine.stage_id}
+    shared = getattr(engine, "_tail", {}).get("shared_memory_reduces", 0)  # tied sums through shared memory
+    return {"losses": losses, "norms": norms, "params": params, "stage": engine.stage_id, "shared": shared}
 
 
 def main():

@@ -134,7 +134,7 @@ def ranks(tmp_path_factory):
     out = {}
     for world in (2, 4):
         out[world] = tmp_path_factory.mktemp(f"tail{world}")
-        run_ranks(WORKER, world, [str(world), str(out[world])], timeout=600)
+        run_ranks(WORKER, world, [str(world), str(out[world])], timeout=600, env={"LOCAL_SIZE": str(world)})
     return out
 
 
@@ -155,6 +155,18 @@ def test_the_split_step_equals_the_plain_tail(ranks):
     worst = max(harness.relative(got[n], want[n]) for n in want)
     assert worst <= 1e-7, worst
     assert results[0]["noclip_overlap"]["losses"] == pytest.approx(results[0]["noclip_plain"]["losses"], rel=1e-7)
+
+
+def test_the_tied_sum_goes_through_shared_memory_where_it_can(ranks):
+    """2 stages, 1 replica, ranks local by LOCAL_SIZE (as DeepSpeed's launcher sets it): TIED_WAIT sums
+    the tied gradient with DeepSpeed's shared-memory all-reduce, once per step on both ranks; the
+    plain tail (REDUCE_TIED) still uses gloo, and so do 2 x 2 ranks, whose tied groups are not the
+    whole world. The results equal the plain tail's (the test above) and the HF reference's (below)."""
+    two, four = rank_results(ranks[2], 2), rank_results(ranks[4], 4)
+    assert [r["noclip_overlap"]["shared"] for r in two] == [ec.STEPS, ec.STEPS]
+    assert [r["zero0_clip"]["shared"] for r in two] == [ec.STEPS, ec.STEPS]
+    assert [r["noclip_plain"]["shared"] for r in two] == [0, 0]
+    assert [r["zero1_clip"]["shared"] for r in four] == [0, 0, 0, 0]
 
 
 def hf_norms(case: dict, stage_names: list[set]) -> tuple[list[float], list[float]]:
