@@ -107,6 +107,13 @@ TOUCHES = (
     Touch(PIPE_MODULE, "get_tied_weights_and_groups", "TIED_START posts the all-reduce of each (weight, group) "
           "that _exec_reduce_tied_grads reduces (ds_compat/tail.py).", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py",),
           params=("self",)),
+    Touch("deepspeed.comm.torch:TorchBackend", "inference_all_reduce", "TIED_WAIT sums a tied fp32 gradient "
+          "with DeepSpeed's CPU shared-memory kernel (ds_compat/tail.shared_memory_reduce), which reduces over "
+          "every rank whatever the group: used only where the group is the whole world. Its C++ side "
+          "(shm_interface.cpp: buffers mapped only where LOCAL_SIZE equals the world size; dtypes other than "
+          "fp32 / bf16 / fp16 left unreduced) cannot be read from Python: the guard encodes it.",
+          "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",), params=("self", "tensor", "op"),
+          source=(("inference_all_reduce", ("return torch.ops.deepspeed.inference_all_reduce_(tensor)",)),)),
     Touch(BF16, "_hp_grad", "TIED_START reduces a tied weight's fp32 gradient under the bf16 optimizer, as "
           "_exec_reduce_tied_grads does (ds_compat/tail.py).", "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",),
           instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
