@@ -2,8 +2,9 @@
 
 Each function is one instruction's effect on a ``TeraPipeEngine``; state between a post and its wait
 lives in ``engine._tail`` (a dict the functions create and empty; ``shared_memory_reduces`` counts
-the tied sums taken through shared memory). DeepSpeed members relied on are catalogued in ``touches.py`` (``get_tied_weights_and_groups``, ``_hp_grad``, ``_scale_loss_by_gas``,
-``_aggregate_total_loss``, ``dp_group_loss``, ``agg_additional_losses``).
+the tied sums taken through shared memory). DeepSpeed members relied on are catalogued in
+``touches.py`` (``get_tied_weights_and_groups``, ``_hp_grad``, ``inference_all_reduce``,
+``_scale_loss_by_gas``, ``_aggregate_total_loss``, ``dp_group_loss``, ``agg_additional_losses``).
 """
 
 from __future__ import annotations

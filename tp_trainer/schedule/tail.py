@@ -19,7 +19,9 @@ Simulator semantics (``simulator.py`` calls :func:`missing_before` and :func:`wa
 local and non-blocking (it runs when next, once its data is final); a wait runs once EVERY stage has
 posted the matching collective (every stage takes part, as in ``ReduceTiedGrads``: a stage without
 tied weights posts nothing real), and its stage's clock becomes at least the last post's. Every post
-needs a wait after it on the same stage. Pure functions of the schedule; no torch, no process group.
+needs a wait after it on the same stage. (Where the engine sums the tied gradient through shared
+memory, ``ds_compat/tail.py``, the sum happens at the waits instead; the timing is the same wherever
+``STEP_LOCAL`` costs nothing, as the planner prices it.) Pure functions of the schedule; no torch, no process group.
 """
 
 from __future__ import annotations
