@@ -60,15 +60,19 @@ def ds_config(args, terapipe: dict | None = None, pipeline: dict | None = None) 
     return config
 
 
-def terapipe_engine(args, slices, cost_model: str | None = None, more: dict | None = None):
+def terapipe_engine(args, slices, cost_model: str | None = None, more: dict | None = None, split=None):
     """(b) slices = "uniform:N" or a list; (c) slices = "auto" (profile or ``cost_model``, then the DP).
-    ``more``: more keys of the terapipe section (they override the defaults above)."""
+    ``more``: more keys of the terapipe section (they override the defaults above). ``split``: (stage
+    layer names, shared_after) for ``StageSplit.from_names`` (default: the per-token estimate's)."""
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
+    from tp_trainer.model.split import StageSplit
     extra = {"slices": slices}
     if slices == "auto":
         extra.update(cost_model=cost_model, profile_seconds=args.budget, granularity=8)
-    return initialize(meta_model(model_config(args)), ds_config(args, {**extra, **(more or {})}), seed=args.seed)[0]
+    stages = StageSplit.from_names(*split) if split else None
+    return initialize(meta_model(model_config(args)), ds_config(args, {**extra, **(more or {})}), seed=args.seed,
+                      split=stages)[0]
 
 
 # ----------------------------------------------------------------------------- (a) stock DeepSpeed

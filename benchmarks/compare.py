@@ -3,6 +3,7 @@
     python benchmarks/compare.py [--stages 2] [--batch 1] [--seq_len 1024] [--n_layer 6] [--n_embd 256]
                                  [--uniform 2,4,8,16] [--steps 10] [--warmup 2] [--budget 35] [--runs 3]
                                  [--goal G] [--cost_model FILE] [--whole_blocks] [--out PREFIX]
+                                 [--plan LABEL=SLICES[|STAGE0:STAGE1[|AFTER]] ...]
 
 Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens with
   (a) DeepSpeed's own PipelineModule + PipelineEngine (stock 1F1B TrainSchedule), microbatch size 1,
@@ -12,7 +13,9 @@ Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens
       between attention and MLP where that balances better; (c') with ``--whole_blocks``: the same
       cost model, the stages split between whole blocks only (terapipe.split_blocks false);
   (d) one process, the whole HF model, no pipeline, one sequence at a time with gradient accumulation
-      (microbatch size 1 like the others): the ideal K-stage step time is (d) / K.
+      (microbatch size 1 like the others): the ideal K-stage step time is (d) / K;
+  (e) with ``--plan``: fixed plans (slices, and optionally the stage split and a shared half), to put
+      plans side by side in one process pair.
 One thread per rank, ``--stages`` ranks (gloo). All variants live in ONE process pair and take
 turns step by step (barrier before each step, the order rotates), so load from other work on this
 shared machine hits them alike; (d) runs on rank 0 while the other ranks wait at a barrier. That is
@@ -66,10 +69,12 @@ def worker(args) -> None:
         say(f"whole blocks: {engines[WHOLE].plan}")
     for n in args.uniform:
         engines[f"(b) TeraPipe uniform:{n}"] = cm.terapipe_engine(args, f"uniform:{n}")
+    for label, (slices, split) in args.plan.items():
+        engines[fixed_name(label)] = cm.terapipe_engine(args, slices, split=split)
     say("building (a): DeepSpeed PipelineModule + stock PipelineEngine")
     engines[A] = cm.stock_engine(args)
     single = cm.single_model(args) if rank == 0 else None
-    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), C, *([WHOLE] if args.whole_blocks else []), D]
+    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), *map(fixed_name, args.plan), C, *([WHOLE] if args.whole_blocks else []), D]
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
     losses = {k: [] for k in names}
@@ -121,6 +126,26 @@ def worker(args) -> None:
     tdist.barrier()
     sys.stdout.flush()
     os._exit(0)  # skip process-group destructors: gloo's threads can abort at interpreter exit
+
+
+def fixed_name(label: str) -> str:
+    return f"(e) fixed {label}"
+
+
+def parse_plan(text: str) -> tuple[str, tuple[list[int], tuple | None]]:
+    """``--plan`` -> (label, (slices, (stage names per stage, shared_after) or None))."""
+    label, sep, rest = text.partition("=")
+    slices_text, _, split_text = rest.partition("|")
+    names_text, _, after = split_text.partition("|")
+    try:
+        slices = [int(x) for x in slices_text.split("/")]
+        split = ([n.split(",") for n in names_text.split(":")], int(after or 0)) if names_text else None
+    except ValueError:
+        slices = split = None
+    if not sep or not label or not slices:
+        raise SystemExit(f"--plan {text!r}: expected LABEL=SLICES[|STAGE0:STAGE1[|AFTER]], e.g. "
+                         "six=144/176/192/200/192/120|embed,pos,h.0,h.1,h.2,h.3.attn:h.3.mlp,h.4,h.5,norm,head")
+    return label, (slices, split)
 
 
 def write_result(args, engines, names, gathered, losses, everyone, load, recorded_wall: float) -> None:
@@ -283,6 +308,11 @@ def main() -> None:
                         "gives (c)/(a) over the steps right after another variant's and over the others)")
     p.add_argument("--budget", type=float, default=35.0, help="profiling seconds per stage for the DP plan")
     p.add_argument("--cost_model", default=None, help="cost model JSON: read if it exists, else written")
+    p.add_argument("--plan", action="append", default=[], metavar="LABEL=SLICES[|STAGE0:STAGE1[|AFTER]]",
+                   help="(e) a fixed plan run beside the others (repeatable): slices joined by '/', optionally "
+                        "the stages' layer names (comma-separated, stages joined by ':') and the token from "
+                        "which the front stage runs a shared half, e.g. six=144/176/192/200/192/120|embed,pos,"
+                        "h.0,h.1,h.2,h.3.attn:h.3.mlp,h.4,h.5,norm,head")
     p.add_argument("--whole_blocks", action="store_true",
                    help=f"also {WHOLE}: the DP plan with the stages split between whole blocks only")
     p.add_argument("--seed", type=int, default=1234)
@@ -295,6 +325,7 @@ def main() -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.uniform = [int(x) for x in str(args.uniform).split(",") if x]
+    args.plan = dict(parse_plan(text) for text in args.plan)
     args.out = os.path.abspath(args.out)
     if is_rank():
         run_rank(worker, args)
