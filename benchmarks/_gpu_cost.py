@@ -160,22 +160,28 @@ def measure_compiled(layers, ctx, hf_blocks, hidden: int, seq_len: int, max_slic
 
 def gemm_sweep(hidden: int, seq_len: int, device, dtype, repeats: int = 3, smallest: int = 8) -> dict:
     """A block's four dense GEMMs alone (QKV 3h x h, output h x h, MLP 4h x h and h x 4h), forward +
-    backward on n = 8, 12, 16, 24, ... seq_len tokens: {"hidden", "tokens", "times"} (fastest of
-    ``repeats``). What the analytic model's rate R and n_1/2 describe, without attention or
+    backward on n = 8, 12, 16, 24, ... seq_len tokens (on a GPU pass more than one sequence's
+    tokens: up to 1024 tokens its GEMMs are launch-bound and the line shows no rate):
+    {"hidden", "tokens", "times"} (fastest of ``repeats``). What the analytic model's rate R and n_1/2 describe, without attention or
     elementwise work."""
     import torch.nn.functional as F
     w_qkv, w_out, w_up, w_down = (
         (torch.randn(rows, cols, device=device, dtype=dtype) / cols ** 0.5).requires_grad_()
         for rows, cols in ((3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden)))
 
+    # a GPU: 10 back-to-back calls per timing, one synchronize (which itself costs ~0.1-0.8 ms on a
+    # virtual machine), so the large-n points time the GPU's work, not the host's wait
+    calls = 1 if str(device) == "cpu" else 10
+
     def run(n: int) -> float:
         x = torch.randn(n, hidden, device=device, dtype=dtype, requires_grad=True)
         sync()
         start_time = time.perf_counter()
-        outs = [F.linear(x, w_qkv), F.linear(x, w_out), F.linear(F.linear(x, w_up), w_down)]
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        for _ in range(calls):
+            outs = [F.linear(x, w_qkv), F.linear(x, w_out), F.linear(F.linear(x, w_up), w_down)]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
-        return time.perf_counter() - start_time
+        return (time.perf_counter() - start_time) / calls
 
     tokens = sorted({n for k in range(16) for n in (smallest << k, (3 * smallest << k) // 2) if n <= seq_len}
                     | {seq_len})

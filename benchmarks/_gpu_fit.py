@@ -13,9 +13,10 @@ simulation share one formula.
 Two stages, because fitted all at once these terms trade against each other (a large n_1/2 is a
 fixed cost like o; the attention GEMMs and the score bytes both grow as l (c + l)):
 1. ``fit_gemm``: the block's own dense GEMMs alone (QKV, output projection, MLP up and down;
-   forward + backward = 72 n h^2 FLOPs for n tokens), timed over n: t(n) = 72 h^2 (n + n_1/2) / R,
-   a straight line in n whose slope gives R and whose intercept gives n_1/2 (least squares in
-   relative error, over every width measured). R / peak is the achieved fraction.
+   forward + backward = 72 n h^2 FLOPs for n tokens), timed over n: t(n) = 72 h^2 (n + n_1/2) / R
+   + L, a straight line in n whose slope gives R and whose intercept gives n_1/2 (scaling as h^2)
+   and the launches' fixed L (the same at every width); least squares in relative error over every
+   width measured. R / peak is the achieved fraction.
 2. ``fit_device``: with R and n_1/2 fixed, (1/W, o) by non-negative least squares in relative error
    (``cost_model.nnls``) on the whole blocks' forward + backward times over the planner's grid.
 The error reported is that of the whole model on the block times; held-out: stage 2 fitted on 3/4
@@ -56,20 +57,39 @@ def bases(samples: np.ndarray, hidden: int, heads: int, n_half: float) -> np.nda
     return np.stack(columns, axis=1)
 
 
+def best_rates(sweeps: list[dict]) -> dict:
+    """Per width, the highest dense rate any sweep point reached (FLOP/s at that point's tokens):
+    a floor on R that holds whether or not the line fit resolves."""
+    out = {}
+    for s in sweeps:
+        rates = gemm_flops(s["hidden"], s["tokens"]) / np.asarray(s["times"], float)
+        out[int(s["hidden"])] = {"flops": float(rates.max()), "tokens": int(s["tokens"][int(rates.argmax())])}
+    return out
+
+
 def gemm_flops(hidden: int, tokens) -> np.ndarray:
     """Forward + backward FLOPs of a block's four dense GEMMs on ``tokens`` rows: 3 x 24 n h^2."""
     return 72.0 * hidden ** 2 * np.asarray(tokens, float)
 
 
 def fit_gemm(sweeps: list[dict]) -> dict:
-    """R and n_1/2 from sweeps [{"hidden", "tokens": (N,), "times": (N,)}]: t = 72 h^2 (n + n_1/2) / R."""
+    """R, n_1/2 and the sweep's fixed launch time L from sweeps [{"hidden", "tokens": (N,),
+    "times": (N,)}]: t = 72 h^2 (n + n_1/2) / R + L. L (the same dozen launches at every width)
+    keeps a GPU's launch cost out of n_1/2; it needs two widths to be told apart from n_1/2, and
+    stays 0 where the line does not ask for it. Raises ValueError when the times do not grow with n
+    (every point launch-bound: sweep more tokens)."""
     rows = np.concatenate([np.stack([gemm_flops(s["hidden"], s["tokens"]), gemm_flops(s["hidden"], 1.0)
-                                     * np.ones(len(s["tokens"]))], 1) for s in sweeps])
+                                     * np.ones(len(s["tokens"])), np.ones(len(s["tokens"]))], 1) for s in sweeps])
     times = np.concatenate([np.asarray(s["times"], float) for s in sweeps])
-    inv_rate, half_over_rate = nnls(rows / times[:, None], np.ones_like(times))
-    resid = (rows @ np.array([inv_rate, half_over_rate]) - times) / times
-    rate = 1.0 / inv_rate if inv_rate > 0 else INF
-    return {"rate_flops": rate, "n_half_tokens": half_over_rate / inv_rate if inv_rate > 0 else INF,
+    coef = nnls(rows / times[:, None], np.ones_like(times))
+    inv_rate, half_over_rate, launch = (float(c) for c in coef)
+    if not inv_rate > 0:
+        spans = ", ".join(f"h {s['hidden']}: {min(s['tokens'])}..{max(s['tokens'])} tokens "
+                          f"{1e6 * min(s['times']):.0f}..{1e6 * max(s['times']):.0f} us" for s in sweeps)
+        raise ValueError(f"the GEMM sweep resolves no rate (its times do not grow with the tokens: {spans}); "
+                         f"sweep more tokens")
+    resid = (rows @ coef - times) / times
+    return {"rate_flops": 1.0 / inv_rate, "n_half_tokens": half_over_rate / inv_rate, "launch_s": launch,
             "error": {"rms": float(np.sqrt(np.mean(resid ** 2))), "max": float(np.max(np.abs(resid)))},
             "points": int(len(times))}
 
@@ -93,6 +113,9 @@ def fit_device(groups: list[dict], gemm: dict, peak_flops: float, name: str,
     backward s per block (N,), "hidden", "heads"}]. Links, nodes and the optimizer term stay
     ``base``'s (one machine cannot measure a cluster's network)."""
     rate, n_half = gemm["rate_flops"], gemm["n_half_tokens"]
+    if rate > 1.05 * peak_flops:
+        raise ValueError(f"the GEMM line's rate {rate / 1e12:.3g} TFLOP/s exceeds the peak {peak_flops / 1e12:.3g}: its "
+                         f"points are host-bound (their times hardly grow with the tokens); sweep more tokens")
     times = np.concatenate([np.asarray(g["times"], float) for g in groups])
     basis = _stacked(groups, n_half)
     (inv_bandwidth, overhead), resid = _solve_rest(basis, times, rate)
@@ -130,7 +153,8 @@ def describe(spec: DeviceSpec, report: dict) -> str:
     return (f"{spec.name}: the blocks' dense GEMMs alone ({gemm['points']} points, line fit error rms "
             f"{100 * gemm['error']['rms']:.1f}%) sustain {report['rate_flops'] / 1e9:.1f} GFLOP/s = "
             f"**{report['achieved_fraction']:.3f} of the peak** {report['peak_flops'] / 1e9:.1f} GFLOP/s, with "
-            f"**n_1/2 = {report['n_half_tokens']:.0f} tokens**; fitted then to {report['points']} block points: "
+            f"**n_1/2 = {report['n_half_tokens']:.0f} tokens** (+ {1e6 * gemm.get('launch_s', 0.0):.0f} us of "
+            f"launches per sweep point); fitted then to {report['points']} block points: "
             f"**per-kernel overhead {report['kernel_overhead_s'] * 1e6:.1f} us** ({spec.kernels} kernels per block "
             f"forward, 2x backward); HBM {bandwidth}. Fit error (relative, forward + backward): rms "
             f"{100 * err['rms']:.1f}%, mean {100 * err['mean']:.1f}%, max {100 * err['max']:.1f}%; held-out "

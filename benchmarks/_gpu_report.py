@@ -97,6 +97,16 @@ def slicing_table(calib: dict) -> str:
     return "\n".join(lines)
 
 
+def step5_text(calib: dict) -> str:
+    import _gpu_fit as gf
+    best = "; ".join(f"width {h}: {r['flops'] / 1e12:.3g} TFLOP/s at {r['tokens']} tokens"
+                     for h, r in calib.get("best_gemm_rates", {}).items())
+    best = f" Highest dense GEMM rate reached in the sweep: {best}." if best else ""
+    if calib["spec"] is None:
+        return f"**Not resolved**: {calib['fit_failed']}.{best} Peak: {calib['peak_source']}."
+    return gf.describe(calib["spec"], calib["fit"]) + f"{best} Peak: {calib['peak_source']}."
+
+
 def markdown(env: dict, steps: list[dict], calib: dict, paper: dict, multi: list[dict], seconds: float) -> str:
     import _gpu_fit as gf
     device = env["device_name"]
@@ -107,8 +117,7 @@ def markdown(env: dict, steps: list[dict], calib: dict, paper: dict, multi: list
         f"{env['transformers']}, Python {env['python']}; CPU {env['cpu']} x {env['cpu_count']}.", "",
         "## Steps 1-3 and 2+ GPUs (GPU only)", "", steps_table(steps + multi), "",
         f"## Step 4: per-slice cost on {calib['device']} ({device})", "", slicing_table(calib),
-        f"## Step 5: analytic device model fitted on {device}", "",
-        gf.describe(calib["spec"], calib["fit"]) + f" Peak: {calib['peak_source']}.", "", paper["text"], "",
+        f"## Step 5: analytic device model fitted on {device}", "", step5_text(calib), "", paper["text"], "",
         f"Whole check: {seconds:.1f} s. Cost curves: cost_curve.png.", ""])
 
 
@@ -128,7 +137,9 @@ def plot(path: str, calib: dict, device_name: str) -> None:
         samples, times = np.asarray(g["samples"]), np.asarray(g["times"])
         for context, marker in ((0, "o"), (seq // 2, "s")):
             pick = samples[:, 2] == context
-            if pick.any():
+            if pick.any() and calib["spec"] is None:
+                left.scatter(samples[pick, 1], 1e3 * times[pick], marker=marker, label=f"{s['label']}, context {context}")
+            elif pick.any():
                 lengths = np.unique(samples[pick, 1])
                 line = left.plot(lengths, 1e3 * gf.predict(calib["spec"], np.stack(
                     [np.ones_like(lengths), lengths, np.full_like(lengths, context)], 1), g["hidden"], g["heads"]))[0]
@@ -162,7 +173,7 @@ def write(out_dir: str, env, steps, calib, paper, multi, seconds: float) -> dict
     plot(files[2], calib, env["device_name"])
     report = {"environment": env, "steps": steps, "multi_gpu": multi, "seconds": seconds, "files": files,
               "calibration": {**{k: v for k, v in calib.items() if k != "spec"},
-                              "spec": dataclasses.asdict(calib["spec"])},
+                              "spec": None if calib["spec"] is None else dataclasses.asdict(calib["spec"])},
               "paper_table": {k: v for k, v in paper.items() if k != "text"},
               "skipped": [s["name"] + ": " + s["why"] for s in steps + multi if s["status"] == "skipped"]}
     with open(files[0], "w", encoding="utf-8") as handle:

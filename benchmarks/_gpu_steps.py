@@ -81,8 +81,8 @@ def step_exactness(device) -> dict:
 
 
 def run_precision(precision: str, steps: int) -> dict:
-    from multirank import run_ranks
     _tests_on_path()
+    from multirank import run_ranks
     path = os.path.join(tempfile.mkdtemp(prefix=f"gpu_check_{precision}_"), "result.json")
     run_ranks(WORKER, 1, ["precision", precision, str(steps), path], timeout=1200)
     with open(path, encoding="utf-8") as handle:
@@ -96,6 +96,7 @@ def judge_precision(precision: str, result: dict, fp32: dict) -> dict:
     rel = abs(final - reference) / abs(reference)
     over = result["overflow"]
     checks = {"final loss within 2% of fp32": rel <= LOSS_TOL,
+              "inf gradient injected": over["injected"] > 0,
               "overflow step skipped": not over["step_applied"] and over["skipped_steps_delta"] == 1,
               "weights unchanged and finite after the overflow": over["weights_unchanged"] and over["weights_finite"],
               "next step applied, weights finite": over["recovery_applied"] and over["weights_finite_after_recovery"]}

@@ -12,7 +12,7 @@ microbatches of 4 sequences, AdamW lr 1e-3 with clipping at 1.0, weights from th
 every precision. The tokens follow a fixed random bigram table (each token has 4 likely
 successors), so the loss falls from ln 512 = 6.2 toward ~1.5 and runs can be compared. fp16 uses
 DeepSpeed's dynamic loss scale (initial 2^16, hysteresis 1 so one overflow halves it). After the
-STEPS steps one more step runs with the gradient of one weight replaced by inf (a tensor hook):
+STEPS steps (fp16 / bf16; fp32 is the loss reference only) one more step runs with the gradient of one weight replaced by inf (a tensor hook):
 reported are whether DeepSpeed skipped it, the loss scale before / after, whether the weights
 stayed unchanged and finite, and one further normal step (recovery).
 """
@@ -90,12 +90,23 @@ def forced_overflow(engine, step: int) -> dict:
     named = hf_named_parameters(engine.module)
     before = {n: p.detach().clone() for n, p in named.items()}
     scale_before, skipped_before = loss_scale(engine), engine.skipped_steps
-    handle = named[OVERFLOW_PARAM].register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    injected = []
+
+    def to_inf(grad):
+        # None where the engine defers this layer's weight gradient (fp32, model/weight_grad.py):
+        # then nothing is injected, and ``injected`` says so
+        if grad is None:
+            return None
+        injected.append(grad.numel())
+        return torch.full_like(grad, float("inf"))
+
+    handle = named[OVERFLOW_PARAM].register_hook(to_inf)
     try:
         loss = float(engine.train_batch(iter(bigram_batches(step))))
     finally:
         handle.remove()
-    result = {"param": OVERFLOW_PARAM, "loss": loss, "step_applied": bool(engine.was_step_applied()),
+    result = {"param": OVERFLOW_PARAM, "injected": len(injected), "loss": loss,
+              "step_applied": bool(engine.was_step_applied()),
               "skipped_steps_delta": engine.skipped_steps - skipped_before,
               "scale_before": scale_before, "scale_after": loss_scale(engine),
               "weights_finite": all(bool(torch.isfinite(p).all()) for p in named.values()),
@@ -116,8 +127,10 @@ def run_precision(precision: str, steps: int, out_path: str) -> None:
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     engine, *_ = initialize(meta_model(config), ds_config(precision), seed=1234)
     losses = [float(engine.train_batch(iter(bigram_batches(step)))) for step in range(steps)]
+    # fp32 is the loss reference only: no loss scale, nothing to skip
     result = {"precision": precision, "losses": losses, "device": str(engine.device),
-              "overflow": forced_overflow(engine, steps)}
+              "skipped_in_training": int(engine.skipped_steps), "scale_after_training": loss_scale(engine),
+              "overflow": None if precision == "fp32" else forced_overflow(engine, steps)}
     with open(out_path, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
 

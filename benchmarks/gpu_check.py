@@ -43,7 +43,7 @@ SIZES = {
     "small": {"sets": [("w128", 128, 2, 2), ("w256", 256, 4, 2)], "seq_len": 512, "granularity": 32,
               "max_slices": 32, "budget_s": 8.0, "repeats": 3, "steps": 50},
     "full": {"sets": [("gpt2-small", 768, 12, 4), ("gpt2-medium", 1024, 16, 4)], "seq_len": 1024,
-             "granularity": 8, "max_slices": 64, "budget_s": 60.0, "repeats": 5, "steps": 50},
+             "granularity": 8, "max_slices": 64, "budget_s": 60.0, "repeats": 5, "steps": 50, "sweep_tokens": 16384},
 }
 
 
@@ -141,7 +141,7 @@ def multi_gpu(env: dict, device_flag: str, out_dir: str) -> list[dict]:
     return gs.multi_gpu_runs(env["gpus"], out_dir)
 
 
-def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
+def calibration(env: dict, device: str, sizes: dict, compile_mode: str, out_dir: str) -> dict:
     """Steps 4-5: measure every block set, fit the analytic device model to all of them."""
     import _gpu_cost as gc
     import _gpu_fit as gf
@@ -161,7 +161,8 @@ def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
                                      dtype, sizes["repeats"])
         compiled = [gc.measure_compiled(layers, ctx, hf_blocks, hidden, sizes["seq_len"], sizes["max_slices"],
                                         device, dtype, mode, sizes["repeats"]) for mode in compiled_modes]
-        sweeps.append(gc.gemm_sweep(hidden, sizes["seq_len"], device, dtype, sizes["repeats"]))
+        sweeps.append(gc.gemm_sweep(hidden, sizes.get("sweep_tokens", sizes["seq_len"]), device, dtype,
+                                    sizes["repeats"]))
         rows = [list(map(float, r)) for r in cost.samples]
         groups.append({"samples": [r[:3] for r in rows], "times": [(r[3] + r[4]) / blocks for r in rows],
                        "hidden": hidden, "heads": heads})
@@ -173,12 +174,32 @@ def calibration(env: dict, device: str, sizes: dict, compile_mode: str) -> dict:
         print(f"[gpu_check] step 4 {label}: {len(rows)} grid points, slicing 1..{max(slicing['sliced_s'])} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
     peak, peak_source = _peak(env, device, dtype)
-    spec, report = gf.fit_device(groups, gf.fit_gemm(sweeps), peak,
-                                 f"measured: {env['device_name']} ({str(dtype)[6:]}, links of p3.16xlarge)")
+    measured = {"device": device, "dtype": str(dtype), "seq_len": sizes["seq_len"], "sets": sets, "groups": groups,
+                "gemm_sweeps": sweeps, "peak_source": peak_source}
+    _keep(out_dir, "step4", measured)
+    measured["best_gemm_rates"] = gf.best_rates(sweeps)
+    try:
+        spec, report = gf.fit_device(groups, gf.fit_gemm(sweeps), peak,
+                                     f"measured: {env['device_name']} ({str(dtype)[6:]}, links of p3.16xlarge)")
+    except ValueError as err:  # a host-bound sweep: reported, the rest of the check still written
+        print(f"[gpu_check] step 5: not resolved: {err}", flush=True)
+        return {**measured, "spec": None, "fit": None, "fit_failed": str(err)}
     print("[gpu_check] step 5: " + gf.describe(spec, report).replace("**", ""), flush=True)
-    return {"device": device, "dtype": str(dtype), "seq_len": sizes["seq_len"], "sets": sets, "groups": groups,
-            "gemm_sweeps": sweeps,
-            "spec": spec, "fit": report, "peak_source": peak_source}
+    return {**measured, "spec": spec, "fit": report}
+
+
+def _keep(out_dir: str, name: str, measured) -> None:
+    """What was measured so far, as it is (a lent GPU's time is not lost to a later step that
+    fails): DIR/partial_NAME.json, removed once gpu_check.json is written."""
+    import json
+
+    import numpy as np
+
+    def plain(value):
+        return value.tolist() if isinstance(value, np.ndarray) else float(value) if isinstance(value, np.floating) \
+            else str(value)
+    with open(os.path.join(out_dir, f"partial_{name}.json"), "w", encoding="utf-8") as handle:
+        json.dump(measured, handle, default=plain)
 
 
 def _compile_skip(mode: str) -> str:
@@ -211,12 +232,16 @@ def main(argv=None) -> dict:
     out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", "" if gpu else "cpu")
     os.makedirs(out_dir, exist_ok=True)
     steps = engine_steps(env, args.device, sizes["steps"])
+    _keep(out_dir, "steps1to3", steps)
     from deepspeed.accelerator import get_accelerator
-    calib = calibration(env, get_accelerator().device_name(0) if gpu else "cpu", sizes, args.compile)
+    calib = calibration(env, get_accelerator().device_name(0) if gpu else "cpu", sizes, args.compile, out_dir)
     import _gpu_report as gr
-    paper = gr.paper_table(calib["spec"], only_175b=args.paper == "175b")
+    paper = (gr.paper_table(calib["spec"], only_175b=args.paper == "175b") if calib["spec"] is not None else
+             {"rows": [], "text": "Paper-scale table: skipped (step 5 did not resolve a device model).", "175b": None})
     multi = multi_gpu(env, args.device, out_dir)
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start)
+    for name in ("steps1to3", "step4"):
+        os.remove(os.path.join(out_dir, f"partial_{name}.json"))
     print(f"[gpu_check] written: {', '.join(result['files'])} ({time.perf_counter() - start:.1f} s)", flush=True)
     return result
 

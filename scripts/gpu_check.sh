@@ -4,12 +4,30 @@
 # On a machine with an NVIDIA GPU (nvidia-smi answers), .venv gets the CUDA build of the pinned
 # torch: TORCH_SPEC (default below; cu128 wheels need driver >= 570). If .venv already holds a CPU
 # torch, only torch is swapped. Without a GPU the normal setup runs and steps 4-5 run on the CPU;
-# the GPU-only steps are reported as skipped, with the reason.
+# the GPU-only steps are reported as skipped, with the reason. With no package index (a lent GPU
+# box whose python already holds a CUDA torch): GPU_CHECK_PYTHON=python3 GPU_CHECK_WHEELS=DIR
+# (see the branch below; benchmarks/README.md "gpu_check.py" says which wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CUDA_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+  # A machine with no package index but a CUDA torch already installed (a lent GPU box):
+  # GPU_CHECK_PYTHON names that interpreter; GPU_CHECK_WHEELS (optional) is a folder of wheels
+  # (deepspeed, transformers, datasets, ... built or downloaded elsewhere) installed beside it
+  # with --no-index into a scratch folder put on PYTHONPATH. The project runs from this checkout.
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L | sed 's/^/[gpu_check.sh] /'
+  echo "[gpu_check.sh] using $GPU_CHECK_PYTHON ($(command -v "$GPU_CHECK_PYTHON")), no setup"
+  if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
+    "$GPU_CHECK_PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$GPU_CHECK_WHEELS"/*.whl
+    export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  python() { "$GPU_CHECK_PYTHON" "$@"; }
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[gpu_check.sh] GPUs:"; nvidia-smi -L
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/[gpu_check.sh]   /'
   export TORCH_SPEC=${TORCH_SPEC:-$CUDA_TORCH}
@@ -38,4 +56,4 @@ print(f"[gpu_check.sh] torch {torch.__version__}, CUDA build {torch.version.cuda
          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if cuda else "no CUDA device visible to torch"))
 PY
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python benchmarks/gpu_check.py "$@"
+exec "${GPU_CHECK_PYTHON:-python}" benchmarks/gpu_check.py "$@"

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py: its CPU path runs (calibration fitted, paper table written, GPU steps
-reported as skipped), the device fit recovers a known device, and the precision judge can fail.
+reported as skipped), the device fit recovers a known device, the precision judge can fail, and
+the precision steps' rank runs on the CPU in bf16.
 
 The CPU run uses small sizes (seq 256, 3 s of grid per block set, up to 8 slices, the 175B rows of
 the paper table): about 30 s on 2 shared cores.
@@ -77,9 +78,12 @@ def test_fit_recovers_a_known_device():
     groups = [{"samples": points, "times": gf.predict(truth, points, h, heads), "hidden": h, "heads": heads}
               for h, heads in ((768, 12), (1024, 16))]
     tokens = np.array([8, 16, 32, 64, 128, 512])
-    sweeps = [{"hidden": h, "tokens": tokens, "times": gf.gemm_flops(h, tokens + 96) / truth.rate} for h in (768, 1024)]
+    launch = 40e-6  # the sweep's own launches: kept out of n_1/2 (two widths tell them apart)
+    sweeps = [{"hidden": h, "tokens": tokens, "times": gf.gemm_flops(h, tokens + 96) / truth.rate + launch}
+              for h in (768, 1024)]
     spec, report = gf.fit_device(groups, gf.fit_gemm(sweeps), truth.peak_flops, "synthetic")
     assert report["n_half_tokens"] == pytest.approx(96, rel=1e-6)
+    assert report["gemm_fit"]["launch_s"] == pytest.approx(launch, rel=1e-6)
     assert spec.achieved_fraction == pytest.approx(0.4, rel=1e-6)
     assert spec.kernel_overhead == pytest.approx(7e-6, rel=1e-6)
     assert spec.hbm_bandwidth == pytest.approx(500e9, rel=1e-6)
@@ -87,13 +91,13 @@ def test_fit_recovers_a_known_device():
 
 
 def _precision_result(**overflow):
-    base = {"param": "w", "loss": 1.0, "step_applied": False, "skipped_steps_delta": 1, "scale_before": 65536.0,
+    base = {"param": "w", "injected": 8, "loss": 1.0, "step_applied": False, "skipped_steps_delta": 1, "scale_before": 65536.0,
             "scale_after": 32768.0, "weights_finite": True, "weights_unchanged": True, "recovery_loss": 1.0,
             "recovery_applied": True, "weights_finite_after_recovery": True}
     return {"losses": [2.0, 1.50], "device": "cuda:0", "overflow": {**base, **overflow}}
 
 
-@pytest.mark.parametrize("broken", [None, {"step_applied": True}, {"scale_after": 65536.0},
+@pytest.mark.parametrize("broken", [None, {"injected": 0}, {"step_applied": True}, {"scale_after": 65536.0},
                                     {"weights_finite": False}, {"weights_unchanged": False}, "loss"])
 def test_precision_judge_can_fail(broken):
     import _gpu_steps as gs
@@ -103,3 +107,32 @@ def test_precision_judge_can_fail(broken):
         result["losses"][-1] = 1.50 * 1.03  # 3% off fp32
     verdict = gs.judge_precision("fp16", result, fp32)
     assert verdict["status"] == ("passed" if broken is None else "failed")
+
+
+def test_precision_steps_run_on_the_cpu():
+    """Steps 2-3's rank (_gpu_worker.py precision) through the real engine: bf16, which the CPU
+    accelerator supports, 3 steps against fp32, then the forced overflow. It catches what a GPU
+    session would otherwise meet first: the inf hook must reach a gradient (fp32 defers weight
+    gradients, so the fp32 reference forces none), the step must be skipped. About 15 s."""
+    import _gpu_steps as gs
+    fp32 = gs.run_precision("fp32", 3)
+    assert fp32["overflow"] is None and len(fp32["losses"]) == 3
+    verdict = gs.judge_precision("bf16", gs.run_precision("bf16", 3), fp32)
+    assert verdict["status"] == "passed", verdict["checks"]
+    assert verdict["overflow"]["injected"] > 0
+
+
+def test_a_flat_gemm_sweep_is_refused():
+    """Every point launch-bound (a GPU at one sequence's tokens): no rate, one message that says so."""
+    import _gpu_fit as gf
+    tokens = [8, 64, 512, 1024]
+    with pytest.raises(ValueError, match="resolves no rate.*sweep more tokens"):
+        gf.fit_gemm([{"hidden": 768, "tokens": tokens, "times": [1e-4] * 4}])
+
+
+def test_a_rate_above_the_peak_is_refused():
+    """A host-bound GPU sweep whose line gives more than the datasheet peak: refused, not reported."""
+    import _gpu_fit as gf
+    gemm = {"rate_flops": 2.8e15, "n_half_tokens": 12000.0}
+    with pytest.raises(ValueError, match="exceeds the peak.*host-bound"):
+        gf.fit_device([], gemm, 989e12, "h100")

@@ -58,9 +58,11 @@ def agree(phase: str, error: BaseException | None) -> None:
     """Collective (every rank, same point): raise ``RunStopped`` everywhere if any rank has an error."""
     import torch
     from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = rank * _CODE_BITS + exit_code(error) if error is not None else world * _CODE_BITS
-    key = torch.tensor([mine], dtype=torch.int64)
+    # on the accelerator's current device: NCCL reduces device tensors only (gloo: the CPU)
+    key = torch.tensor([mine], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(key, op=dist.ReduceOp.MIN)
     first = int(key.item())
     if first == world * _CODE_BITS:

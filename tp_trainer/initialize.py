@@ -48,6 +48,9 @@ def init_process_group(dist_init_required=None) -> None:
         return
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                dist_init_required=dist_init_required)
+    # NCCL collectives run on the current device: set it before the first one (failures.agree),
+    # not only in the engine's constructor. A no-op on the CPU accelerator.
+    get_accelerator().set_device(local_ranks()[0])
 
 
 def initialize(model, config=None, args=None, training_data=None, optimizer=None, lr_scheduler=None,

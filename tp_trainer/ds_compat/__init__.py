@@ -47,8 +47,32 @@ def stage_forward(engine, inputs):
 
 def loss_backward(engine, loss: torch.Tensor) -> None:
     """DeepSpeedEngine.backward on the last stage's slice loss (scaling by gradient accumulation,
-    loss scaling, bf16 bookkeeping), bypassing PipelineEngine.backward, as ``_exec_backward_pass`` does."""
-    DeepSpeedEngine.backward(engine, loss)
+    loss scaling, bf16 bookkeeping), bypassing PipelineEngine.backward, as ``_exec_backward_pass`` does.
+    fp16 without ZeRO: the loss is multiplied by the loss scale here (``fp16_loss_scale``), which
+    DeepSpeed's own backward leaves out."""
+    scale = fp16_loss_scale(engine)
+    DeepSpeedEngine.backward(engine, loss if scale is None else loss.float() * scale)
+
+
+def fp16_loss_scale(engine) -> float | None:
+    """The loss scale that DeepSpeed 0.19.8's ``engine.backward`` fails to apply, else None.
+
+    With fp16 and ZeRO stage 0 the optimizer is FP16_Optimizer / FP16_UnfusedOptimizer, not a
+    ZeROOptimizer, so ``DeepSpeedEngine.backward`` calls ``loss.backward()`` unscaled, while their
+    ``step`` still divides every gradient by the loss scale (DeepSpeed PR #8393, open in 2026-11).
+    The gradients come out 1/scale too small: clipping never fires (the norm it sees is the true
+    one), fp16 gradients underflow unprotected, and Adam's epsilon outweighs them. Found by
+    gpu_check's step 2 on an H100: fp16 ended 14.7% above fp32 after 50 steps; clipping on or off
+    gave the same fp16 run. Here, as ``FP16_UnfusedOptimizer.backward`` would: the external scale
+    if one is set, else the dynamic / static ``cur_scale`` when gradient scaling is on."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    optimizer = engine.optimizer
+    if not engine.fp16_enabled() or isinstance(optimizer, ZeROOptimizer) or engine.torch_autocast_z0_gradscaler:
+        return None
+    if optimizer.custom_loss_scaler:
+        return float(optimizer.external_loss_scale)
+    config = optimizer.loss_scale_config
+    return float(config.cur_scale) if config.use_grad_scaling else None
 
 
 def inner_stage_backward(engine, outputs: torch.Tensor, grad: torch.Tensor) -> None:
@@ -97,7 +121,25 @@ def reduce_grads(engine) -> None:
 def optimizer_step(engine) -> None:
     """DeepSpeed's step at the accumulation boundary: clipping, optimizer, scheduler, monitors.
     Called through the instance, so a test may wrap ``engine._exec_optimizer_step``."""
+    mark_replicated_grads(engine)
     engine._exec_optimizer_step()
+
+
+def mark_replicated_grads(engine) -> None:
+    """fp16 without ZeRO, unfused optimizer: count each tied weight once in the clipping norm.
+
+    ``FP16_UnfusedOptimizer.step`` takes the norm of the GRADIENTS (``p.grad.to(p.dtype)``, the
+    same tensor for an fp16 grad) through ``get_weight_norm``, which skips a tensor flagged
+    ``ds_pipe_replicated``; DeepSpeed flags the replica parameters, never their gradients, so a tie
+    between stages is counted on every stage that holds it (the norm 3.8% high on gpu_check's
+    2-stage fp16 model; the fused FP16_Optimizer masks by parameter and is not affected). The
+    flag goes on the replicas' gradients here, before each step."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
+        return
+    for weight in tied_duplicate_weights(engine.module, engine.global_rank):
+        if weight.grad is not None:
+            weight.grad.ds_pipe_replicated = True
 
 
 def broadcast_loss(engine, value, dtype: torch.dtype = torch.float32):

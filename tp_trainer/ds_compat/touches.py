@@ -144,8 +144,27 @@ TOUCHES = (
     Touch(DS_ENGINE, "forward", "Called unbound on the PipelineEngine (whose forward raises) for one "
           "slice (ds_compat.stage_forward).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
           params=("self", "inputs")),
-    Touch(DS_ENGINE, "backward", "Called unbound on the last stage's slice loss (ds_compat.loss_backward).",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "loss")),
+    Touch(DS_ENGINE, "backward", "Called unbound on the last stage's slice loss (ds_compat.loss_backward). "
+          "It scales the loss only for a ZeROOptimizer (or torch autocast's scaler): fp16 at ZeRO 0 gets an "
+          "unscaled backward and a step that unscales (PR #8393), so ds_compat.fp16_loss_scale scales first. "
+          "When an upgrade scales there too, this source check fails: drop fp16_loss_scale then.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "loss"),
+          source=(("backward", ("if isinstance(self.optimizer, ZeROOptimizer):",
+                                "loss = self.optimizer.scale_if_loss(loss)",
+                                "elif self.torch_autocast_z0_gradscaler:")),)),
+    Touch("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "backward", "What "
+          "ds_compat.fp16_loss_scale mirrors (external scale, else cur_scale under use_grad_scaling); its step "
+          "divides by cur_scale.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
+          params=("self", "loss"),
+          source=(("backward", ("scaled_loss = self.external_loss_scale * loss",
+                                "elif self.loss_scale_config.use_grad_scaling:",
+                                "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale")),
+                  ("unscale_and_clip_grads", ("combined_scale = self.loss_scale_config.cur_scale",)))),
+    Touch("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "backward", "The same scaling as the "
+          "unfused optimizer's (ds_compat.fp16_loss_scale), for FusedAdam.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",), params=("self", "loss"),
+          source=(("backward", ("scaled_loss = self.external_loss_scale * loss",
+                                "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale")),)),
     Touch(DS_ENGINE, "_running_engine_backward", "Flag that DeepSpeed's post-backward hook reads to tell "
           "the engine's backward from a user's tensor.backward() (ds_compat.inner_stage_backward).",
           "0.18.x (PR #7787, 2026-01)", ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,

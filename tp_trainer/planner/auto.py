@@ -47,9 +47,11 @@ def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: 
     rank, world = _dist()
     if world < 2:
         return time_copy(hidden, seq_len, bytes_per_element)
+    from deepspeed.accelerator import get_accelerator
+    accel = get_accelerator()  # NCCL sends device tensors, and returns before they arrive: synchronize
     sizes, times = [], []
     for l in (8, max(8, seq_len // 4), seq_len):
-        buf = torch.zeros(l * hidden * bytes_per_element // 4)
+        buf = torch.zeros(l * hidden * bytes_per_element // 4, device=accel.current_device_name())
         tdist.barrier()
         if rank in (0, 1):
             t0 = time.perf_counter()
@@ -60,6 +62,7 @@ def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: 
                 else:
                     tdist.recv(buf, 0)
                     tdist.send(buf, 0)
+            accel.synchronize()
             sizes.append(buf.numel() * 4)
             times.append((time.perf_counter() - t0) / (2 * repeats))
     out = [None]
