@@ -4,8 +4,9 @@ The CPU accelerator does not claim fp16, so ``checks`` refuses it; torch compute
 all the same, and this worker tells DeepSpeed's accelerator that it may. Three runs from the same
 seed, 3 steps each (gpu_check's precision model: GPT-2 4 x 256, seq 256 in 4 slices, 2
 microbatches of 4): fp32, fp16, and fp16 with ``ds_compat.fp16_loss_scale`` switched off (the
-DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses, and per step the gradient norm the
-step saw, in true units (fp16: the optimizer's norm of the scaled gradients over the loss scale).
+DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses; per step the gradient norm the
+clipping saw, in true units (fp16: the optimizer's norm of the scaled gradients over the loss
+scale), and the norm ``get_global_grad_norm`` reports.
 
     fp16_worker.py OUT      writes OUT.rank0, OUT.rank1
 """
@@ -45,14 +46,16 @@ def run(precision: str, scale_fix: bool = True) -> dict:
     if not scale_fix:
         ds_compat.fp16_loss_scale = lambda engine: None
     try:
-        losses, norms = [], []
+        losses, norms, reported = [], [], []
         for step in range(STEPS):
-            scale = w.loss_scale(engine) or 1.0
+            scale = w.loss_scale(engine)
             losses.append(float(engine.train_batch(iter(w.bigram_batches(step)))))
-            norms.append(float(engine.get_global_grad_norm()) / scale)
+            reported.append(float(engine.get_global_grad_norm()))
+            # what the clipping used: the fp16 optimizer's norm of the scaled gradients / the scale
+            norms.append(reported[-1] if scale is None else float(engine.optimizer._global_grad_norm) / scale)
     finally:
         ds_compat.fp16_loss_scale = original
-    return {"losses": losses, "norms": norms, "skipped": int(engine.skipped_steps),
+    return {"losses": losses, "norms": norms, "reported_norms": reported, "skipped": int(engine.skipped_steps),
             "optimizer": type(engine.optimizer).__name__}
 
 

@@ -31,6 +31,12 @@ def test_fp16_sees_the_true_gradient_norm(runs):
         assert fp16["norms"][0] == pytest.approx(fp32["norms"][0], rel=1e-3)
 
 
+def test_fp16_reports_the_norm_in_true_units(runs):
+    """get_global_grad_norm: the unfused optimizer's norm is of the scaled gradients; reported /scale."""
+    for by_rank in runs:
+        assert by_rank["fp16"]["reported_norms"][0] == pytest.approx(by_rank["fp32"]["reported_norms"][0], rel=1e-3)
+
+
 def test_fp16_losses_follow_fp32(runs):
     for by_rank in runs:
         assert by_rank["fp16"]["losses"] == pytest.approx(by_rank["fp32"]["losses"], rel=1e-2)

@@ -121,12 +121,17 @@ def reduce_grads(engine) -> None:
 def optimizer_step(engine) -> None:
     """DeepSpeed's step at the accumulation boundary: clipping, optimizer, scheduler, monitors.
     Called through the instance, so a test may wrap ``engine._exec_optimizer_step``."""
-    mark_replicated_grads(engine)
+    scale = fp16_loss_scale(engine) if mark_replicated_grads(engine) else None
     engine._exec_optimizer_step()
+    if scale and engine._global_grad_norm is not None:
+        # the unfused optimizer keeps the norm of the SCALED gradients (the fused one divides):
+        # report it in the units of the fp32 / bf16 paths
+        engine._global_grad_norm = float(engine._global_grad_norm) / scale
 
 
-def mark_replicated_grads(engine) -> None:
+def mark_replicated_grads(engine) -> bool:
     """fp16 without ZeRO, unfused optimizer: count each tied weight once in the clipping norm.
+    Returns whether the optimizer is that one.
 
     ``FP16_UnfusedOptimizer.step`` takes the norm of the GRADIENTS (``p.grad.to(p.dtype)``, the
     same tensor for an fp16 grad) through ``get_weight_norm``, which skips a tensor flagged
@@ -136,10 +141,11 @@ def mark_replicated_grads(engine) -> None:
     flag goes on the replicas' gradients here, before each step."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     if not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
-        return
+        return False
     for weight in tied_duplicate_weights(engine.module, engine.global_rank):
         if weight.grad is not None:
             weight.grad.ds_pipe_replicated = True
+    return True
 
 
 def broadcast_loss(engine, value, dtype: torch.dtype = torch.float32):

@@ -159,7 +159,11 @@ TOUCHES = (
           source=(("backward", ("scaled_loss = self.external_loss_scale * loss",
                                 "elif self.loss_scale_config.use_grad_scaling:",
                                 "scaled_loss = (loss.float()) * self.loss_scale_config.cur_scale")),
-                  ("unscale_and_clip_grads", ("combined_scale = self.loss_scale_config.cur_scale",)))),
+                  ("unscale_and_clip_grads", ("combined_scale = self.loss_scale_config.cur_scale",)),
+                  # ds_compat.mark_replicated_grads / optimizer_step: the norm of the scaled grads
+                  ("step", ("grads_for_norm, _ = split_params_grads_into_shared_and_expert_params(group)",
+                            "norm_group_value = get_weight_norm(grads_for_norm, mpu=self.mpu)",
+                            "self._global_grad_norm = get_global_norm(norm_list=norm_groups)")))),
     Touch("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "backward", "The same scaling as the "
           "unfused optimizer's (ds_compat.fp16_loss_scale), for FusedAdam.", "checked 0.19.8",
           ("tp_trainer/ds_compat/__init__.py",), params=("self", "loss"),
