@@ -161,9 +161,9 @@ def measure_compiled(layers, ctx, hf_blocks, hidden: int, seq_len: int, max_slic
 def gemm_sweep(hidden: int, seq_len: int, device, dtype, repeats: int = 3, smallest: int = 8) -> dict:
     """A block's four dense GEMMs alone (QKV 3h x h, output h x h, MLP 4h x h and h x 4h), forward +
     backward on n = 8, 12, 16, 24, ... seq_len tokens (on a GPU pass more than one sequence's
-    tokens: up to 1024 tokens its GEMMs are launch-bound and the line shows no rate):
-    {"hidden", "tokens", "times"} (fastest of ``repeats``). What the analytic model's rate R and n_1/2 describe, without attention or
-    elementwise work."""
+    tokens: on an H100 they were host-bound up to ~8k tokens, and the line showed no rate):
+    {"hidden", "tokens", "times"} (fastest of ``repeats``). What the analytic model's rate R and
+    n_1/2 describe, without attention or elementwise work."""
     import torch.nn.functional as F
     w_qkv, w_out, w_up, w_down = (
         (torch.randn(rows, cols, device=device, dtype=dtype) / cols ** 0.5).requires_grad_()

@@ -114,7 +114,8 @@ def fit_device(groups: list[dict], gemm: dict, peak_flops: float, name: str,
     ``base``'s (one machine cannot measure a cluster's network)."""
     rate, n_half = gemm["rate_flops"], gemm["n_half_tokens"]
     if rate > 1.05 * peak_flops:
-        raise ValueError(f"the GEMM line's rate {rate / 1e12:.3g} TFLOP/s exceeds the peak {peak_flops / 1e12:.3g}: its "
+        raise ValueError(f"the GEMM line's rate {rate / 1e12:.3g} TFLOP/s exceeds the peak "
+                         f"{peak_flops / 1e12:.3g}: its "
                          f"points are host-bound (their times hardly grow with the tokens); sweep more tokens")
     times = np.concatenate([np.asarray(g["times"], float) for g in groups])
     basis = _stacked(groups, n_half)

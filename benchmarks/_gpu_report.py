@@ -138,7 +138,8 @@ def plot(path: str, calib: dict, device_name: str) -> None:
         for context, marker in ((0, "o"), (seq // 2, "s")):
             pick = samples[:, 2] == context
             if pick.any() and calib["spec"] is None:
-                left.scatter(samples[pick, 1], 1e3 * times[pick], marker=marker, label=f"{s['label']}, context {context}")
+                left.scatter(samples[pick, 1], 1e3 * times[pick], marker=marker,
+                             label=f"{s['label']}, context {context}")
             elif pick.any():
                 lengths = np.unique(samples[pick, 1])
                 line = left.plot(lengths, 1e3 * gf.predict(calib["spec"], np.stack(

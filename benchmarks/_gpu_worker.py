@@ -12,8 +12,9 @@ microbatches of 4 sequences, AdamW lr 1e-3 with clipping at 1.0, weights from th
 every precision. The tokens follow a fixed random bigram table (each token has 4 likely
 successors), so the loss falls from ln 512 = 6.2 toward ~1.5 and runs can be compared. fp16 uses
 DeepSpeed's dynamic loss scale (initial 2^16, hysteresis 1 so one overflow halves it). After the
-STEPS steps (fp16 / bf16; fp32 is the loss reference only) one more step runs with the gradient of one weight replaced by inf (a tensor hook):
-reported are whether DeepSpeed skipped it, the loss scale before / after, whether the weights
+STEPS steps (fp16 / bf16; fp32 is the loss reference only) one more step runs with the gradient
+of one weight replaced by inf (a tensor hook). Reported are how many gradients the hook
+replaced, whether DeepSpeed skipped the step, the loss scale before / after, whether the weights
 stayed unchanged and finite, and one further normal step (recovery).
 """
 

@@ -43,7 +43,7 @@ SIZES = {
     "small": {"sets": [("w128", 128, 2, 2), ("w256", 256, 4, 2)], "seq_len": 512, "granularity": 32,
               "max_slices": 32, "budget_s": 8.0, "repeats": 3, "steps": 50},
     "full": {"sets": [("gpt2-small", 768, 12, 4), ("gpt2-medium", 1024, 16, 4)], "seq_len": 1024,
-             "granularity": 8, "max_slices": 64, "budget_s": 60.0, "repeats": 5, "steps": 50, "sweep_tokens": 16384},
+             "granularity": 8, "max_slices": 64, "budget_s": 60.0, "repeats": 5, "steps": 50, "sweep_tokens": 65536},
 }
 
 
@@ -60,6 +60,8 @@ def parse_args(argv=None):
                    help="paper-scale settings to rerun with the measured preset (175b: the two GPT3-175B rows)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="also time compiled blocks (auto: on a GPU only; compiling on 2 CPU cores takes minutes)")
+    p.add_argument("--no_engine_steps", action="store_true",
+                   help="skip steps 1-3 (reported as skipped): calibration only, e.g. to rerun it on a lent GPU")
     return p.parse_args(argv)
 
 
@@ -114,10 +116,11 @@ def gpu_missing(env: dict) -> str | None:
             f"(CUDA build: {env['torch_cuda']}), torch.cuda.is_available() {env['cuda_available']}, {seen}")
 
 
-def engine_steps(env: dict, device_flag: str, steps: int) -> list[dict]:
+def engine_steps(env: dict, device_flag: str, steps: int, skip: bool = False) -> list[dict]:
     """Steps 1-3 on the GPU, or the three skips with their reason."""
     import _gpu_steps as gs
-    why = "--device cpu was given" if device_flag == "cpu" else gpu_missing(env)
+    why = ("--no_engine_steps was given" if skip else "--device cpu was given" if device_flag == "cpu"
+           else gpu_missing(env))
     if why:
         return [gs.skipped(name, why) for name in ("1 exactness, 1 stage, fp32 (TF32 off) vs HF",
                                                    "2 fp16 vs fp32", "3 bf16 vs fp32")]
@@ -231,7 +234,7 @@ def main(argv=None) -> dict:
             sizes[key] = value
     out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", "" if gpu else "cpu")
     os.makedirs(out_dir, exist_ok=True)
-    steps = engine_steps(env, args.device, sizes["steps"])
+    steps = engine_steps(env, args.device, sizes["steps"], args.no_engine_steps)
     _keep(out_dir, "steps1to3", steps)
     from deepspeed.accelerator import get_accelerator
     calib = calibration(env, get_accelerator().device_name(0) if gpu else "cpu", sizes, args.compile, out_dir)

@@ -136,3 +136,13 @@ def test_a_rate_above_the_peak_is_refused():
     gemm = {"rate_flops": 2.8e15, "n_half_tokens": 12000.0}
     with pytest.raises(ValueError, match="exceeds the peak.*host-bound"):
         gf.fit_device([], gemm, 989e12, "h100")
+
+
+def test_engine_steps_can_be_skipped():
+    """--no_engine_steps (calibration only, e.g. a rerun on a lent GPU): the three steps say why."""
+    import gpu_check
+    env = {"accelerator": "cuda", "cuda_available": True, "nvidia_smi_gpus": "GPU 0", "torch": "x",
+           "torch_cuda": "13.0", "device_name": "H100"}
+    steps = gpu_check.engine_steps(env, "auto", 50, skip=True)
+    assert [s["status"] for s in steps] == ["skipped"] * 3
+    assert all(s["why"] == "--no_engine_steps was given" for s in steps)
