@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 from multirank import free_port
 from small_run import small_config
 
@@ -64,3 +65,30 @@ def test_resume_errors_name_the_fix(tmp_path):
         resolve_resume(str(tmp_path), "step6")
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_resume(str(tmp_path), "step9")
+
+
+def test_the_accelerator_generator_is_saved_and_restored(monkeypatch):
+    """On CUDA the dropout masks come from the device's generator: it travels with the others (a
+    fake accelerator here; on the CPU accelerator nothing more is saved)."""
+    from tp_trainer import resume
+
+    class FakeCuda:
+        state = torch.tensor([7], dtype=torch.uint8)
+
+        def device_name(self):
+            return "cuda"
+
+        def get_rng_state(self):
+            return self.state.clone()
+
+        def set_rng_state(self, new_state):
+            self.state = new_state
+
+    fake = FakeCuda()
+    monkeypatch.setattr(resume, "get_accelerator", lambda: fake)
+    saved = resume._rng_state()
+    fake.state = torch.tensor([9], dtype=torch.uint8)
+    resume._set_rng_state(saved)
+    assert torch.equal(fake.state, torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.undo()
+    assert "accelerator" not in resume._rng_state()

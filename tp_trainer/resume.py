@@ -26,6 +26,7 @@ import zlib
 
 import numpy as np
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from .checkpoint import layout_free, optimizer_state
 from .config import ConfigError
@@ -184,13 +185,22 @@ def _reseed(step: int, rank: int) -> None:
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This rank's generators: torch's CPU one, numpy's, Python's, and on an accelerator (CUDA) its
+    current device's, which draws the dropout masks of a model that lives there."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        state["accelerator"] = accelerator.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    accelerator = get_accelerator()
+    if "accelerator" in state and accelerator.device_name() != "cpu":  # absent: saved on a CPU
+        accelerator.set_rng_state(state["accelerator"])
 
 
 def _write_atomic(path: str, text: str) -> None:
