@@ -153,7 +153,8 @@ def plot(path: str, calib: dict, device_name: str) -> None:
                 right.plot(list(c["sliced_s"]), [t / s["slicing"]["whole_hf_s"] for t in c["sliced_s"].values()],
                            marker="^", label=f"{s['label']} compiled ({c['mode']})")
     left.set(xscale="log", yscale="log", xlabel="slice length l (tokens)", ylabel="ms per block, forward + backward",
-             title=f"t(l, c) on {device_name}: measured (points), fitted analytic model (lines)")
+             title=f"t(l, c) on {device_name}: measured (points), " + ("fitted analytic model (lines)" if calib["spec"]
+                                                                      else "no model (step 5 not resolved)"))
     right.axhline(1.0, color="gray", lw=0.8)
     right.set(xscale="log", xlabel="uniform slices per sequence", ylabel="time / whole sequence (plain HF)",
               title=f"slicing overhead, seq {seq}, on {device_name}")
