@@ -77,10 +77,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _softmax_grad(logits: torch.Tensor, labels: torch.Tensor, grad_total: torch.Tensor) -> torch.Tensor:
     """d(sum of cross-entropy) / d logits, times the upstream gradient: (softmax - onehot), in place."""
     grad = torch.softmax(logits, dim=-1)
-    keep = labels != IGNORE_INDEX
-    rows = torch.arange(labels.shape[0], device=labels.device)[keep]
-    grad[rows, labels[keep]] -= 1
-    grad[~keep] = 0
+    keep = (labels != IGNORE_INDEX)[:, None]
+    # no boolean indexing: on CUDA it synchronizes with the host (nonzero) once per chunk and slice.
+    # x + (-1) is x - 1 exactly; ignored rows get -0.0 at column 0 (no change), then zeros.
+    grad.scatter_add_(1, torch.where(keep, labels[:, None], 0), keep.to(grad.dtype).neg())
+    grad.masked_fill_(~keep, 0)
     return grad.mul_(grad_total)
 
 
