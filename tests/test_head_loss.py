@@ -90,3 +90,19 @@ def test_fuse_head_loss_replaces_tied_and_untied_heads():
         with pytest.raises(RuntimeError, match="without labels"):
             funcs[-1](hidden)  # labels are taken once per slice
     assert head_loss.fuse_head_loss([torch.nn.Identity()]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_sync_free_gradient_equals_the_indexed_one(dtype):
+    """_softmax_grad scatters and masks (no boolean indexing, which syncs a GPU with its host):
+    bit for bit what indexing the kept rows and zeroing the ignored ones gave, ignored labels included."""
+    logits = torch.randn(40, 37, generator=torch.Generator().manual_seed(3)).to(dtype) * 5
+    labels = torch.randint(0, 37, (40,), generator=torch.Generator().manual_seed(4))
+    labels[::7] = head_loss.IGNORE_INDEX
+    total = torch.tensor(0.37, dtype=torch.promote_types(dtype, torch.float32))
+    expected = torch.softmax(logits, dim=-1)
+    keep = labels != head_loss.IGNORE_INDEX
+    expected[torch.arange(40)[keep], labels[keep]] -= 1
+    expected[~keep] = 0
+    expected.mul_(total)
+    assert torch.equal(head_loss._softmax_grad(logits.clone(), labels, total), expected)

@@ -79,10 +79,14 @@ def _softmax_grad(logits: torch.Tensor, labels: torch.Tensor, grad_total: torch.
     grad = torch.softmax(logits, dim=-1)
     keep = (labels != IGNORE_INDEX)[:, None]
     # no boolean indexing: on CUDA it synchronizes with the host (nonzero) once per chunk and slice.
-    # x + (-1) is x - 1 exactly; ignored rows get -0.0 at column 0 (no change), then zeros.
+    # x + (-1) is x - 1 exactly; ignored rows get -0.0 at column 0 (no change), and a factor 0 in
+    # the one pass that applies the upstream gradient (a separate zeroing pass cost 2.5 ms per
+    # 1024 x 8192 on this CPU). As in F.cross_entropy, a non-finite logit of an ignored row stays
+    # non-finite (an overflow to report, not to hide).
     grad.scatter_add_(1, torch.where(keep, labels[:, None], 0), keep.to(grad.dtype).neg())
-    grad.masked_fill_(~keep, 0)
-    return grad.mul_(grad_total)
+    # the factor in the precision a 0-dim scalar would be applied in (bf16 / fp16: fp32), so the
+    # product is the one grad.mul_(grad_total) gave, bit for bit
+    return grad.mul_(torch.where(keep, grad_total, 0).to(torch.promote_types(grad.dtype, torch.float32)))
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor) -> torch.Tensor:
