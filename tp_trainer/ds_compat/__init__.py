@@ -24,7 +24,9 @@ to have the member in the form we rely on (from DeepSpeed's history where we loo
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from . import tail
 from .check import check_override, check_touch, check_touches
@@ -65,7 +67,6 @@ def fp16_loss_scale(engine) -> float | None:
     gpu_check's step 2 on an H100: fp16 ended 14.7% above fp32 after 50 steps; clipping on or off
     gave the same fp16 run. Here, as ``FP16_UnfusedOptimizer.backward`` would: the external scale
     if one is set, else the dynamic / static ``cur_scale`` when gradient scaling is on."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
     optimizer = engine.optimizer
     if not engine.fp16_enabled() or isinstance(optimizer, ZeROOptimizer) or engine.torch_autocast_z0_gradscaler:
         return None
@@ -121,17 +122,21 @@ def reduce_grads(engine) -> None:
 def optimizer_step(engine) -> None:
     """DeepSpeed's step at the accumulation boundary: clipping, optimizer, scheduler, monitors.
     Called through the instance, so a test may wrap ``engine._exec_optimizer_step``."""
-    scale = fp16_loss_scale(engine) if mark_replicated_grads(engine) else None
+    unfused_fp16 = isinstance(engine.optimizer, FP16_UnfusedOptimizer)
+    if unfused_fp16:
+        mark_replicated_grads(engine)
+    scale = fp16_loss_scale(engine) if unfused_fp16 else None  # the scale this step's backward used
     engine._exec_optimizer_step()
-    if scale and engine._global_grad_norm is not None:
+    norm = engine.get_global_grad_norm()
+    if scale and norm is not None:
         # the unfused optimizer keeps the norm of the SCALED gradients (the fused one divides):
         # report it in the units of the fp32 / bf16 paths
-        engine._global_grad_norm = float(engine._global_grad_norm) / scale
+        set_global_grad_norm(engine, float(norm) / scale)
 
 
-def mark_replicated_grads(engine) -> bool:
-    """fp16 without ZeRO, unfused optimizer: count each tied weight once in the clipping norm.
-    Returns whether the optimizer is that one.
+def mark_replicated_grads(engine) -> None:
+    """fp16 without ZeRO, unfused optimizer (``optimizer_step`` calls it only then): count each tied
+    weight once in the clipping norm.
 
     ``FP16_UnfusedOptimizer.step`` takes the norm of the GRADIENTS (``p.grad.to(p.dtype)``, the
     same tensor for an fp16 grad) through ``get_weight_norm``, which skips a tensor flagged
@@ -139,13 +144,9 @@ def mark_replicated_grads(engine) -> bool:
     between stages is counted on every stage that holds it (the norm 3.8% high on gpu_check's
     2-stage fp16 model; the fused FP16_Optimizer masks by parameter and is not affected). The
     flag goes on the replicas' gradients here, before each step."""
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer):
-        return False
     for weight in tied_duplicate_weights(engine.module, engine.global_rank):
         if weight.grad is not None:
             weight.grad.ds_pipe_replicated = True
-    return True
 
 
 def broadcast_loss(engine, value, dtype: torch.dtype = torch.float32):
