@@ -59,8 +59,8 @@ def worker(ns) -> None:
                   "ratio": statistics.median(ratios), "load": load}
         with open(os.path.join(ns.work, f"paired_{ns.family}.json"), "w", encoding="utf-8") as handle:
             json.dump(result, handle)
-    sys.stdout.flush()
-    os._exit(0)  # skip process-group destructors (as the sweep's worker)
+    from tp_trainer.failures import leave
+    leave(0)  # skip the process group's destructors (failures.leave)
 
 
 def main() -> None:

@@ -36,8 +36,8 @@ def run_rank(worker, args) -> None:
         import traceback
         print(f"[rank {os.environ.get('RANK')}] failed:", file=sys.stderr)
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        from tp_trainer.failures import leave
+        leave(1)
 
 
 def bind_rank(enabled: bool = True) -> None:

@@ -9,7 +9,6 @@ of the running interpreter, tokenized with a BPE tokenizer trained on it once an
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -17,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 
+from tp_trainer.failures import leave  # noqa: E402
 from tp_trainer.run import RunArgs, run  # noqa: E402
 
 
@@ -66,18 +66,6 @@ def main(argv=None) -> int:
     run_args = RunArgs.from_namespace(args)
     losses = run(run_args)
     return 0 if losses else 1
-
-
-def leave(code: int) -> None:
-    """Exit with ``code`` once every output is flushed, without running the C++ destructors of the
-    process group: at interpreter exit gloo's threads are sometimes torn down while joinable, and the
-    process then aborts ("terminate called without an active exception", exit -6) after a run whose
-    checkpoints and model are all written (seen once in ~30 launches of the suite). Everything
-    this script writes is closed before ``main`` returns."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def exit_code(stop: SystemExit) -> int:

@@ -1,13 +1,12 @@
 """One rank of tests/test_profile_filler.py: rank 1 arrives 0.6 s late at busy_until_all_done; each
 rank prints 'calls=N elapsed=S' (the filler calls it ran while waiting and the seconds it waited)."""
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as tdist
 
+from tp_trainer.failures import leave
 from tp_trainer.planner.profile import busy_until_all_done, mlp_filler
 
 tdist.init_process_group("gloo")
@@ -20,5 +19,4 @@ calls = busy_until_all_done(mlp_filler(64, tokens=64))
 print(f"calls={calls} elapsed={time.perf_counter() - start:.3f}", flush=True)
 tdist.barrier()
 tdist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)
+leave(0)

@@ -13,17 +13,6 @@ from tp_trainer.ds_compat.shm import remove_leftovers
 ISSUED_PORTS: list[int] = []  # conftest removes their DeepSpeed /dev/shm buffers after each test
 
 
-def leave_cleanly() -> None:
-    """A worker's last call, once its results are written: exit 0 without the process group's C++
-    destructors. At interpreter exit gloo's threads are sometimes torn down while joinable and the
-    process aborts ("terminate called without an active exception", exit -6) after all its work:
-    seen in session 14 in a checkpoint_worker rank (a fresh clone's CI run) and once, likely, in the
-    tail worker. launch/train.py's ``leave`` does the same for the trainer."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def free_port() -> int:
     """A free TCP port for a launch's MASTER_PORT (recorded: see ``ISSUED_PORTS``)."""
     with socket.socket() as sock:
