@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _compare_report import A, C, D, WHOLE, render, summarize_run
@@ -169,7 +168,11 @@ def write_result(args, engines, names, gathered, losses, everyone, load, recorde
     tail = {stage: _tail_after_compute(everyone, stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     splits = {name: " | ".join(" ".join(n) for n in engines[name].module.stage_split.names)
               for name in (C, WHOLE) if name in engines}
+    calibrated = {name: engines[name].calibration for name in (C, WHOLE)
+                  if name in engines and engines[name].calibration is not None}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
+              "calibrated_s": {name: c.predicted for name, c in calibrated.items()},
+              "calibration": {name: c.describe() for name, c in calibrated.items()},
               "splits": splits,
               "plan_report": engines[C].plan_report, "load_1min": load, "profile_load": args.profile_load,
               "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()},
@@ -236,12 +239,13 @@ def stage_probe(engine, args, rounds: int = 7) -> dict:
         messages: every forward's activations and K/V held until its backward, as in the step."""
     import torch.distributed as tdist
 
+    from tp_trainer.planner.calibrate import step_order_seconds
     from tp_trainer.planner.profile import StageRunner
     runner = StageRunner(engine.module, engine.slice_context, args.n_embd, args.seq_len)
     plan = engine.plan
     units = [(plan.slices[j], plan.offsets[j]) for _ in range(plan.microbatches) for j in range(plan.num_slices)]
     ways = {"": lambda: sum(sum(runner.run(plan.microbatch_size, length, context)) for length, context in units)
-            + flush_seconds(engine), "order_": lambda: in_step_order(engine, runner)}
+            + flush_seconds(engine), "order_": lambda: step_order_seconds(engine, runner)}
     rank, world = tdist.get_rank(), tdist.get_world_size()
     out = {f"{way}{kind}": [] for way in ways for kind in ("alone", "together")}
     for _ in range(rounds):
@@ -254,41 +258,6 @@ def stage_probe(engine, args, rounds: int = 7) -> dict:
     return {**{key: statistics.median(values) for key, values in out.items()},
             **{f"{key}_min": min(values) for key, values in out.items() if key.endswith("together")},
             "rounds": rounds}
-
-
-def in_step_order(engine, runner) -> float:
-    """Seconds of this stage's compute instructions of (c)'s schedule run in its order, messages left
-    out: random inputs and output gradients, made before the clock starts, stand in for those received."""
-    from tp_trainer.model.slice_cache import SequenceKV
-    from tp_trainer.schedule.instructions import BackwardSlice, ForwardSlice, WeightGrad
-    plan, ctx, store = engine.plan, engine.slice_context, engine.weight_grads
-    compute = [c for step in engine._train_schedule() for c in step
-               if isinstance(c, (ForwardSlice, BackwardSlice, WeightGrad))]
-    inputs = {(c.microbatch, c.slice): runner.unit_input(plan.microbatch_size, plan.slices[c.slice])
-              for c in compute if isinstance(c, ForwardSlice)}
-    grads = {key: torch.randn(*x.shape[:2], runner.hidden, device=runner.device, dtype=runner.dtype)
-             for key, x in inputs.items()}
-    kv = {m: SequenceKV(runner.seq_len) for m in range(plan.microbatches)}
-    outputs, start = {}, time.perf_counter()
-    for cmd in compute:
-        m, j = cmd.microbatch, cmd.slice
-        if isinstance(cmd, WeightGrad):
-            if store is not None:
-                store.flush((m, j))
-            continue
-        ctx.begin(kv[m], plan.offsets[j], plan.slices[j])
-        if isinstance(cmd, ForwardSlice):
-            outputs[(m, j)] = runner.forward(inputs.pop((m, j)))
-            continue
-        if store is not None:
-            store.unit = (m, j)  # as the engine's BackwardSlice: the deferred layers keep (x, dy) for W
-        out = outputs.pop((m, j))
-        out.backward(None if out.dim() == 0 else grads[(m, j)])
-        if store is not None:
-            store.unit = None
-    seconds = time.perf_counter() - start
-    flush_seconds(engine)  # nothing is left where every B had its W
-    return seconds
 
 
 def main() -> None:

@@ -166,6 +166,7 @@ def test_auto_slices_config(tmp_path):
     log = launch(tmp_path, "--max_steps", "1", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
                  "--output_dir", str(out), config=os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"))
     assert 'slice planner (terapipe.slices "auto")' in log and "predicted iteration" in log
+    assert re.search(r"calibration \(each stage's compute .* predicted step [\d.]+ s calibrated", log), log[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
     assert "uniform:" in (out / "plan.txt").read_text()

@@ -176,6 +176,7 @@ def test_resume_onto_and_from_a_shared_half(reference, tmp_path):
     config = config_variant(tmp_path, "shared", terapipe={"slices": "auto", "cost_model": shared_cost_model(tmp_path)})
     log = launch(2, config, shared, "--max_steps", str(middle), "--save_interval", "5", "--no_save_hf", "--resume")
     assert "h.2.mlp shared by stages 0 and 1" in log, log[-3000:]
+    assert "calibration (each stage's compute" in log, log[-3000:]  # it ran, and changed no step (below)
     assert f"resumed from step{SAVED} at step {SAVED} ({SAVED * 4} samples consumed, layout-free)" in log, log[-3000:]
     back = tmp_path / "back"
     copy_checkpoint(shared, back, f"step{middle}")

@@ -84,6 +84,14 @@ class TeraPipeConfig:
     or with SDPA attention an attention half (``model/kv_handoff.py``). false: whole blocks per
     stage (DeepSpeed's per-layer checkpoint files then keep one file per block)."""
 
+    calibrate: bool = True
+    """With "auto" slices and no memory limit: once the engine is built, every stage runs its compute
+    of the planned step a few times (all ranks at once, the step's order, messages left out: about
+    three steps' compute) and the predicted step is simulated again with each stage's cost model
+    scaled to what it measured (``planner/calibrate.py``); the plan report gives both predictions.
+    Only where weight gradients are deferred (fp32 / ZeRO <= 1). false: the profile's prediction
+    alone, no extra work at start-up."""
+
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the
     cores and run that many torch threads (``tp_trainer/cpu_binding.py``), as DeepSpeed's launcher
@@ -95,6 +103,8 @@ class TeraPipeConfig:
         self._check_memory_limit()
         if not isinstance(self.bind_cores, bool):
             raise ConfigError(f"terapipe.bind_cores: must be true or false, got {self.bind_cores!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ConfigError(f"terapipe.calibrate: must be true or false, got {self.calibrate!r}")
         if not isinstance(self.split_blocks, bool):
             raise ConfigError(f"terapipe.split_blocks: must be true or false, got {self.split_blocks!r}")
         if not isinstance(self.defer_weight_grads, bool):

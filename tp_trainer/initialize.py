@@ -109,10 +109,24 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
                             hidden_size=model.config.hidden_size,
                             defer_weight_grads=terapipe.defer_weight_grads)
     engine.plan_report = report
+    engine.calibration = together("checking the plan against the stages' compute", calibrate_plan, engine,
+                                  layout, terapipe)
+    if engine.calibration is not None:
+        engine.plan_report = f"{report}\n{engine.calibration.describe()}"
     engine.memory_budget = memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module))
     if engine.memory_budget:  # what the built engine holds before any step (parameters, buffers, ...)
         engine.memory_budget["built_mb"] = current_rss_mb() - baseline_mb
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def calibrate_plan(engine, layout, terapipe):
+    """``terapipe.calibrate``: the measured layout's plan checked against each stage's compute
+    (``planner.calibrate``); None where it does not apply (no measured layout, a memory limit, or
+    weight gradients not deferred: see the config field). Collective."""
+    if layout is None or not terapipe.calibrate or layout.ckpt is not None or engine.weight_grads is None:
+        return None
+    from .planner.calibrate import calibrate
+    return calibrate(engine, layout.cost, layout.plan)
 
 
 def measured_split(spec: PipelineSpec) -> bool:

@@ -63,7 +63,11 @@ class StageRunner:
     def __init__(self, layers, ctx: SliceContext, hidden: int, seq_len: int):
         self.funcs = stage_functions(layers)
         self.ctx, self.hidden, self.seq_len = ctx, hidden, seq_len
-        self.params = list({id(p): p for f in self.funcs for p in _parameters(f)}.values())
+        # a module's own parameters: its functions need not name every one a backward writes (the
+        # last stage's tied LM head: DeepSpeed's tied module, not an argument of the head's function);
+        # a list of functions: the parameters they hold
+        self.params = list(layers.parameters()) if isinstance(layers, torch.nn.Module) else \
+            list({id(p): p for f in self.funcs for p in _parameters(f)}.values())
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.dtype = next((p.dtype for p in self.params if p.is_floating_point()), torch.float32)
         first = self.funcs[0]
