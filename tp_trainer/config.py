@@ -86,8 +86,8 @@ class TeraPipeConfig:
 
     calibrate: bool = True
     """With "auto" slices and no memory limit: once the engine is built, every stage runs its compute
-    of the planned step a few times (all ranks at once, the step's order, messages left out: about
-    three steps' compute) and the predicted step is simulated again with each stage's cost model
+    of the planned step a few times (all ranks at once, the step's order, messages left out: a
+    warm-up, then up to five rounds within ~5 s) and the predicted step is simulated again with each stage's cost model
     scaled to what it measured (``planner/calibrate.py``); the plan report gives both predictions.
     Only where weight gradients are deferred (fp32 / ZeRO <= 1). false: the profile's prediction
     alone, no extra work at start-up."""

@@ -7,10 +7,11 @@ compute in the step then runs 5-10% slower than the model prices it (benchmarks/
 the built engine's schedule (ForwardSlice / BackwardSlice / WeightGrad of every unit, in the
 engine's order, activations and K/V held until their backward as in the step; messages left out:
 random inputs and output gradients stand in for those received), with every rank computing at once
-as in the step; the median of ``rounds`` is that stage's compute. Each stage's fitted model is then
-scaled by measured / modelled over the plan's units (``scaled``), and the schedule simulated again:
+as in the step: a warm-up, then up to 5 rounds within ~5 s (``calibrate``), whose median is that
+stage's compute. Each stage's fitted model is then scaled by measured / modelled over the plan's
+units (``scaled``), and the schedule simulated again:
 the bubble, the messages, the W placement and the step tail stay predicted; only the compute is
-measured. Costs ``rounds`` x one step's compute (~1 s for the default case), leaves the model as
+measured. Costs up to 6 x one step's compute (~2 s for the default case), leaves the model as
 found (gradients None, the RNG streams restored), and runs only where the step defers weight
 gradients (fp32 / ZeRO <= 1, ``engine.weight_grads``): there no DeepSpeed hook reads ``.grad`` during
 a backward, so the probe's gradients can be dropped afterwards.
@@ -115,11 +116,14 @@ def step_order_seconds(engine, runner) -> float:
     return seconds
 
 
-def calibrate(engine, cost: PipelineCost, plan, rounds: int = 3) -> Calibration:
-    """Time this stage's compute of the engine's schedule (``step_order_seconds``) ``rounds`` times with
-    every rank at once, gather every stage's median (the slowest replica's), and predict the step
-    with the scaled models. ``plan``: the engine's plan as a ``PlannedBatch``. Collective; leaves the
-    parameters' gradients as found and the RNG streams (CPU and accelerator) restored."""
+def calibrate(engine, cost: PipelineCost, plan, budget_s: float = 5.0, most: int = 5) -> Calibration:
+    """Time this stage's compute of the engine's schedule (``step_order_seconds``) with every rank at
+    once: one warm-up round (its first-touch allocations are not the step's), then as many rounds as
+    fit in ``budget_s`` at the slowest rank's warm-up pace (1..``most``; none when the warm-up alone
+    took longer, which is then the figure). Every stage's median (its slowest replica's) is gathered
+    and the step predicted with the scaled models. ``plan``: the engine's plan as a ``PlannedBatch``.
+    Collective; leaves the parameters' gradients as found and the RNG streams (CPU and accelerator)
+    restored."""
     from deepspeed.accelerator import get_accelerator
 
     from .profile import StageRunner
@@ -127,8 +131,12 @@ def calibrate(engine, cost: PipelineCost, plan, rounds: int = 3) -> Calibration:
     runner = StageRunner(engine.module, engine.slice_context, engine.hidden_size, plan.seq_len)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     cpu_rng, accel_rng = torch.random.get_rng_state(), accel.get_rng_state()
-    seconds = []
     try:
+        _barrier()
+        warmup = step_order_seconds(engine, runner)
+        slowest = max(stage_seconds(engine.stage_id, warmup))
+        rounds = min(most, int(budget_s / slowest)) if slowest < budget_s else 0
+        seconds = []
         for _ in range(rounds):
             _barrier()
             seconds.append(step_order_seconds(engine, runner))
@@ -138,17 +146,22 @@ def calibrate(engine, cost: PipelineCost, plan, rounds: int = 3) -> Calibration:
                 p.grad = None
         torch.random.set_rng_state(cpu_rng)
         accel.set_rng_state(accel_rng)
-    mine = (engine.stage_id, statistics.median(seconds))
-    everyone = [mine]
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        everyone = [None] * tdist.get_world_size()
-        tdist.all_gather_object(everyone, mine)
-    measured = [max(s for stage, s in everyone if stage == i) for i in range(len(cost.stages))]
+    measured = stage_seconds(engine.stage_id, statistics.median(seconds) if seconds else warmup)
     modelled = modelled_compute(cost, plan)
     factors = [m / p for m, p in zip(measured, modelled)]
     stages, schedule = len(cost.stages), engine.schedule_name
     return Calibration(tuple(measured), tuple(modelled), predict_time(plan, cost, stages, schedule),
-                       predict_time(plan, scaled(cost, factors), stages, schedule), rounds)
+                       predict_time(plan, scaled(cost, factors), stages, schedule), max(rounds, 1))
+
+
+def stage_seconds(stage_id: int, seconds: float) -> list[float]:
+    """Every stage's ``seconds`` (its slowest replica's), from each rank's own (collective where the
+    process group has several ranks)."""
+    everyone = [(stage_id, seconds)]
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        everyone = [None] * tdist.get_world_size()
+        tdist.all_gather_object(everyone, (stage_id, seconds))
+    return [max(s for stage, s in everyone if stage == i) for i in range(1 + max(stage for stage, _ in everyone))]
 
 
 def _barrier() -> None:
