@@ -1,14 +1,16 @@
 """The start-up calibration's arithmetic (planner/calibrate.py), without a process group: stage
-models scaled by measured / modelled, and the step simulated again. The probe itself runs in every
-2-rank "auto" launch (test_launch.test_auto_slices_config, test_resume_layout's shared-half resume,
-which also checks that training is unchanged by it)."""
+models scaled by measured / modelled, the step simulated again, the candidate slicings measured
+beside the planned one and the choice among them. The probe itself runs in every 2-rank "auto"
+launch (test_launch.test_auto_slices_config, and test_resume_layout's shared-half resume, which
+also checks that training is unchanged by it)."""
 
 import pytest
 
-from tp_trainer.planner.calibrate import Calibration, modelled_compute, scaled, scaled_stage
+from tp_trainer.planner.calibrate import Calibration, alternatives, choose, measure, modelled_compute, scaled, \
+    scaled_stage
 from tp_trainer.planner.cost_model import PipelineCost, StageCost
-from tp_trainer.planner.predict import predict_time, with_slices
 from tp_trainer.planner.layer_cost import plan_units
+from tp_trainer.planner.predict import predict_time, with_slices
 
 
 def w_stage(f=1e-3, b=2e-3, w=1e-3, over=2e-4):
@@ -18,6 +20,13 @@ def w_stage(f=1e-3, b=2e-3, w=1e-3, over=2e-4):
 
 
 PLAN = with_slices(256, 2, [1, 1], (96, 64, 48, 48))
+
+
+def no_step_cost(**stage1) -> PipelineCost:
+    cost = PipelineCost([w_stage(), w_stage(**stage1)], p2p_latency=0.0)
+    for stage in cost.stages:
+        stage.step_time = 0.0
+    return cost
 
 
 def test_a_scaled_stage_prices_every_part_by_its_factor():
@@ -32,23 +41,50 @@ def test_a_scaled_stage_prices_every_part_by_its_factor():
 
 
 def test_modelled_compute_and_the_calibrated_prediction():
-    cost = PipelineCost([w_stage(), w_stage(f=2e-3)], p2p_latency=0.0)
-    for stage in cost.stages:
-        stage.step_time = 0.0
+    cost = no_step_cost(f=2e-3)
     modelled = modelled_compute(cost, PLAN)
     units = plan_units(PLAN)
     assert modelled == pytest.approx([float(sum(s.total(*units))) for s in cost.stages])
     base = predict_time(PLAN, cost, 2)
     # every stage measured at 1.5 x its model, no messages, no optimizer step: the whole step scales
     assert predict_time(PLAN, scaled(cost, [1.5, 1.5]), 2) == pytest.approx(1.5 * base, rel=1e-9)
+    got = measure(cost, PLAN, (1.5 * modelled[0], 1.5 * modelled[1]), "gpipe")
+    assert got.factors == pytest.approx((1.5, 1.5)) and got.predicted == pytest.approx(1.5 * base, rel=1e-9)
+    assert got.profile_predicted == pytest.approx(base, rel=1e-12)
     # only the slower stage slower: the step grows, by less than that stage's factor
     slower = predict_time(PLAN, scaled(cost, [1.0, 1.3]), 2)
     assert base < slower < 1.3 * base
 
 
-def test_calibration_describes_both_predictions():
-    cal = Calibration((0.40, 0.42), (0.36, 0.40), 0.37, 0.41, 3)
-    assert cal.factors == pytest.approx((0.40 / 0.36, 0.42 / 0.40))
+def test_alternatives_have_fewer_and_more_slices_and_the_same_microbatching():
+    cost = no_step_cost(f=2e-3)
+    plan = with_slices(256, 2, [1, 1], (48, 40, 40, 32, 32, 32, 32))
+    alts = alternatives(cost, plan)
+    counts = sorted(len(p.slices[0]) for p in alts)
+    assert len(alts) == 2 and 2 <= counts[0] <= 4 and counts[1] >= 11, counts
+    for alt in alts:
+        assert alt.microbatch_sizes == plan.microbatch_sizes and alt.uniform_microbatches
+        assert sum(alt.slices[0]) == 256 and all(l % 8 == 0 for l in alt.slices[0])
+    one = with_slices(256, 2, [1, 1], (256,))   # nothing has fewer slices than one
+    assert all(len(p.slices[0]) >= 2 for p in alternatives(cost, one))
+
+
+def test_choose_keeps_the_plan_unless_another_measures_clearly_faster():
+    cost = no_step_cost()
+    fewer, more = with_slices(256, 2, [1, 1], (128, 128)), with_slices(256, 2, [1, 1], (32,) * 8)
+
+    def at(plan, factor):
+        return measure(cost, plan, tuple(factor * m for m in modelled_compute(cost, plan)), "gpipe")
+    planned = at(PLAN, 1.0)
+    slower, faster = at(fewer, 10.0), at(more, 0.5)
+    assert slower.predicted > planned.predicted > faster.predicted
+    assert choose([planned, slower]) == 0
+    assert choose([planned, slower, faster]) == 2
+    barely = at(more, 0.999 * planned.predicted / faster.predicted * 0.5)   # < 1% better: noise, kept
+    assert barely.predicted < planned.predicted and choose([planned, barely]) == 0
+    cal = Calibration((planned, slower, faster), 2, 4)
+    assert cal.plan is more and cal.predicted == faster.predicted
     text = cal.describe()
-    assert "stage 0 0.400 s measured / 0.360 s modelled (x1.111)" in text
-    assert "predicted step 0.410 s calibrated, 0.370 s from the profile alone" in text
+    assert "runs 8 slices instead" in text and "median of 4" in text
+    assert f"predicted step {faster.predicted:.3f} s calibrated" in text
+    assert "kept the planned slices" in Calibration((planned, slower), 0, 3).describe()

@@ -108,10 +108,19 @@ class TeraPipeEngine(PipelineEngine):
         return store
 
     # ----------------------------------------------------------------------------- schedule
-    def _train_schedule(self):
+    def _train_schedule(self, plan: SlicePlan | None = None):
+        """This stage's training schedule for the engine's plan (or ``plan``, same microbatching)."""
         return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
-                              self.plan.num_slices, split_weight_grads=self.weight_grads is not None,
+                              (plan or self.plan).num_slices, split_weight_grads=self.weight_grads is not None,
                               overlap_tail=True)  # schedule/tail.py
+
+    def use_plan(self, plan: SlicePlan) -> None:
+        """Run ``plan``'s slices from the next step on (the same microbatching: DeepSpeed's batch
+        settings were built from it); what ``terapipe.calibrate`` does when another plan measured faster."""
+        if (plan.seq_len, plan.microbatches, plan.microbatch_size) != (
+                self.plan.seq_len, self.plan.microbatches, self.plan.microbatch_size):
+            raise ValueError(f"use_plan: {plan} changes the microbatching of {self.plan}")
+        self.plan, self._offsets = plan, plan.offsets
 
     def _exec_schedule(self, pipe_schedule):
         self._reset_step_state()

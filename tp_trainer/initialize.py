@@ -113,6 +113,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
                                   layout, terapipe)
     if engine.calibration is not None:
         engine.plan_report = f"{report}\n{engine.calibration.describe()}"
+        if engine.calibration.chosen:  # another slicing measured faster (same split and microbatching)
+            engine.use_plan(engine.calibration.plan.to_slice_plan())
     engine.memory_budget = memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module))
     if engine.memory_budget:  # what the built engine holds before any step (parameters, buffers, ...)
         engine.memory_budget["built_mb"] = current_rss_mb() - baseline_mb

@@ -9,9 +9,16 @@ engine's order, activations and K/V held until their backward as in the step; me
 random inputs and output gradients stand in for those received), with every rank computing at once
 as in the step: a warm-up, then up to 5 rounds within ~5 s (``calibrate``), whose median is that
 stage's compute. Each stage's fitted model is then scaled by measured / modelled over the plan's
-units (``scaled``), and the schedule simulated again:
-the bubble, the messages, the W placement and the step tail stay predicted; only the compute is
-measured. Costs up to 6 x one step's compute (~2 s for the default case), leaves the model as
+units (``scaled``), and the schedule simulated again: the bubble, the messages, the W placement and
+the step tail stay predicted; only the compute is measured.
+
+The profile also misprices slices: its per-unit constants move by a third from one profile to the
+next, so the DP picks 6 slices after one profile and 9-10 after another, and the two measure 2-3%
+apart (benchmarks/README, sessions 13 and 15). So beside the planned slicing, the plans with about
+2/3 and 3/2 as many slices (the best the simulation finds among the DP's and the uniform ones, same
+stage split and microbatching) are measured the same way, in turns, and the engine runs the one
+of least calibrated step (``Calibration.chosen``; another only where it predicts >= 1% less).
+Costs a warm-up and up to 5 rounds of every candidate (~6 s for the default case), leaves the model as
 found (gradients None, the RNG streams restored), and runs only where the step defers weight
 gradients (fp32 / ZeRO <= 1, ``engine.weight_grads``): there no DeepSpeed hook reads ``.grad`` during
 a backward, so the probe's gradients can be dropped afterwards.
@@ -28,32 +35,83 @@ import torch
 import torch.distributed as tdist
 
 from .cost_model import PipelineCost, StageCost
+from .dp import PlannedBatch
 from .layer_cost import plan_units
-from .predict import predict_time
+from .predict import candidate_plans, predict_time
 
 
 @dataclasses.dataclass(frozen=True)
-class Calibration:
-    """One start-up check of the plan: per stage the measured compute (s, median of ``rounds``, all
-    ranks at once), the model's F+B+W of the same units (s) and their ratio; the step predicted from
-    the profile alone and with the stages' models scaled by that ratio."""
+class Measured:
+    """One candidate plan, measured: per stage its compute (s, median of the rounds, all ranks at
+    once) and the model's F+B+W of the same units (s); the step predicted from the profile alone and
+    with each stage's model scaled by measured / modelled."""
 
+    plan: PlannedBatch
     measured: tuple[float, ...]
     modelled: tuple[float, ...]
     profile_predicted: float
     predicted: float
-    rounds: int
 
     @property
     def factors(self) -> tuple[float, ...]:
         return tuple(m / p for m, p in zip(self.measured, self.modelled))
 
+    @property
+    def slices(self) -> tuple[int, ...]:
+        return tuple(self.plan.slices[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The start-up check: every candidate measured (the planned one first) and the one chosen."""
+
+    candidates: tuple[Measured, ...]
+    chosen: int
+    rounds: int
+
+    @property
+    def plan(self) -> PlannedBatch:
+        return self.candidates[self.chosen].plan
+
+    @property
+    def predicted(self) -> float:
+        return self.candidates[self.chosen].predicted
+
     def describe(self) -> str:
+        best = self.candidates[self.chosen]
         stages = ", ".join(f"stage {i} {m:.3f} s measured / {p:.3f} s modelled (x{m / p:.3f})"
-                           for i, (m, p) in enumerate(zip(self.measured, self.modelled)))
-        return (f"calibration (each stage's compute of this plan in the step's order, all ranks at once, median of "
-                f"{self.rounds}): {stages}; predicted step {self.predicted:.3f} s calibrated, "
-                f"{self.profile_predicted:.3f} s from the profile alone")
+                           for i, (m, p) in enumerate(zip(best.measured, best.modelled)))
+        tried = "; ".join(f"{len(c.slices)} slices {list(c.slices)}: {c.predicted:.3f} s calibrated "
+                          f"({c.profile_predicted:.3f} s from the profile)" for c in self.candidates)
+        verdict = "kept the planned slices" if self.chosen == 0 else f"runs {len(best.slices)} slices instead"
+        return (f"calibration (each stage's compute of a plan in the step's order, all ranks at once, median of "
+                f"{self.rounds}): {verdict}; {stages}; predicted step {best.predicted:.3f} s calibrated, "
+                f"{best.profile_predicted:.3f} s from the profile alone; candidates: {tried}")
+
+
+def choose(candidates, margin: float = 0.01) -> int:
+    """Index of the candidate of least calibrated step; the first (the planned one) unless another
+    predicts at least ``margin`` less (a measured difference, not the noise of a few rounds)."""
+    best = min(range(len(candidates)), key=lambda i: candidates[i].predicted)
+    return best if candidates[best].predicted < (1.0 - margin) * candidates[0].predicted else 0
+
+
+def alternatives(cost: PipelineCost, plan: PlannedBatch, schedule: str = "gpipe", granularity: int = 8
+                 ) -> list[PlannedBatch]:
+    """The plans measured beside ``plan`` (same microbatching, equal slicing in every microbatch):
+    of the DP's and the uniform candidates (``predict.candidate_plans``), the best simulated one
+    with at most 2/3 of ``plan``'s slices (and 2 or more), and the best with at least 3/2 as many."""
+    stages, count = len(cost.stages), len(plan.slices[0])
+    cands = candidate_plans(cost, plan.seq_len, sum(plan.microbatch_sizes), stages, granularity,
+                            plan.microbatch_sizes[0])
+    usable = [c for c in cands.values() if c.microbatch_sizes == plan.microbatch_sizes and c.uniform_microbatches
+              and c.slices[0] != plan.slices[0]]
+    out = []
+    for wanted in (lambda n: 2 <= n <= count * 2 // 3, lambda n: n >= -(-count * 3 // 2)):
+        fitting = [c for c in usable if wanted(len(c.slices[0]))]
+        if fitting:
+            out.append(min(fitting, key=lambda c: predict_time(c, cost, stages, schedule)))
+    return out
 
 
 def scaled_stage(stage: StageCost, factor: float) -> StageCost:
@@ -77,16 +135,18 @@ def modelled_compute(cost: PipelineCost, plan) -> list[float]:
     return [float(np.sum(stage.total(*units))) for stage in cost.stages]
 
 
-def step_order_seconds(engine, runner) -> float:
+def step_order_seconds(engine, runner, plan=None) -> float:
     """Seconds of this stage's compute instructions of the engine's schedule, run in its order with
     the messages left out: random inputs and output gradients, made before the clock starts, stand in
     for those received. ``runner``: a ``profile.StageRunner`` of the engine's stage (its forward, the
-    loss on the last stage). Every forward's activations and K/V are held until its backward, and the
-    W's run where the schedule places them, as in the step."""
+    loss on the last stage); ``plan``: a ``SlicePlan`` to run instead of the engine's (same
+    microbatching). Every forward's activations and K/V are held until its backward, and the W's
+    run where the schedule places them, as in the step."""
     from ..model.slice_cache import SequenceKV
     from ..schedule.instructions import BackwardSlice, ForwardSlice, WeightGrad
-    plan, ctx, store = engine.plan, engine.slice_context, engine.weight_grads
-    compute = [c for step in engine._train_schedule() for c in step
+    plan = plan or engine.plan
+    ctx, store = engine.slice_context, engine.weight_grads
+    compute = [c for step in engine._train_schedule(plan) for c in step
                if isinstance(c, (ForwardSlice, BackwardSlice, WeightGrad))]
     inputs = {(c.microbatch, c.slice): runner.unit_input(plan.microbatch_size, plan.slices[c.slice])
               for c in compute if isinstance(c, ForwardSlice)}
@@ -116,54 +176,85 @@ def step_order_seconds(engine, runner) -> float:
     return seconds
 
 
-def calibrate(engine, cost: PipelineCost, plan, budget_s: float = 5.0, most: int = 5) -> Calibration:
-    """Time this stage's compute of the engine's schedule (``step_order_seconds``) with every rank at
-    once: one warm-up round (its first-touch allocations are not the step's), then as many rounds as
-    fit in ``budget_s`` at the slowest rank's warm-up pace (1..``most``; none when the warm-up alone
-    took longer, which is then the figure). Every stage's median (its slowest replica's) is gathered
-    and the step predicted with the scaled models. ``plan``: the engine's plan as a ``PlannedBatch``.
-    Collective; leaves the parameters' gradients as found and the RNG streams (CPU and accelerator)
-    restored."""
+def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 5.0, most: int = 5,
+              others: bool = True) -> Calibration:
+    """Measure ``plan`` (the engine's) and, with ``others``, its ``alternatives`` (rank 0's, broadcast):
+    each stage runs a candidate's compute (``step_order_seconds``) with every rank at once. One
+    warm-up round of every candidate (its first-touch allocations are not the step's), then as many
+    rounds as fit in ``budget_s`` at the slowest rank's warm-up pace (1..``most``; none when the
+    warm-up alone took longer, which is then the figure), the candidates taking turns. Every stage's
+    median (its slowest replica's) is gathered and each candidate's step predicted with its scaled
+    models; ``Calibration.chosen`` is the one to run (``choose``). Collective; leaves the parameters'
+    gradients as found and the RNG streams (CPU and accelerator) restored."""
     from deepspeed.accelerator import get_accelerator
 
     from .profile import StageRunner
     accel = get_accelerator()
+    plans = [plan, *(_from_rank0(alternatives(cost, plan, engine.schedule_name)) if others else [])]
+    slice_plans = [p.to_slice_plan() for p in plans]
     runner = StageRunner(engine.module, engine.slice_context, engine.hidden_size, plan.seq_len)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     cpu_rng, accel_rng = torch.random.get_rng_state(), accel.get_rng_state()
     try:
-        _barrier()
-        warmup = step_order_seconds(engine, runner)
-        slowest = max(stage_seconds(engine.stage_id, warmup))
-        rounds = min(most, int(budget_s / slowest)) if slowest < budget_s else 0
-        seconds = []
-        for _ in range(rounds):
+        warmup = []
+        for slice_plan in slice_plans:
             _barrier()
-            seconds.append(step_order_seconds(engine, runner))
+            warmup.append(step_order_seconds(engine, runner, slice_plan))
+        paces = stage_seconds(engine.stage_id, warmup)   # [stage][candidate]
+        slowest = sum(max(stage[i] for stage in paces) for i in range(len(plans)))   # one round of all
+        rounds = min(most, int(budget_s / slowest)) if slowest < budget_s else 0
+        seconds = [[] for _ in plans]
+        for _ in range(rounds):
+            for i, slice_plan in enumerate(slice_plans):
+                _barrier()
+                seconds[i].append(step_order_seconds(engine, runner, slice_plan))
     finally:
         for p in runner.params:
             if id(p) not in had_grad:
                 p.grad = None
         torch.random.set_rng_state(cpu_rng)
         accel.set_rng_state(accel_rng)
-    measured = stage_seconds(engine.stage_id, statistics.median(seconds) if seconds else warmup)
-    modelled = modelled_compute(cost, plan)
+    mine = [statistics.median(s) if s else w for s, w in zip(seconds, warmup)]
+    per_stage = stage_seconds(engine.stage_id, mine)   # [stage][candidate]
+    candidates = tuple(measure(cost, p, tuple(stage[i] for stage in per_stage), engine.schedule_name)
+                       for i, p in enumerate(plans))
+    return Calibration(candidates, choose(candidates), max(rounds, 1))
+
+
+def measure(cost: PipelineCost, plan: PlannedBatch, measured: tuple, schedule: str) -> Measured:
+    """``plan`` with each stage's measured compute: its model's figures and both predictions."""
+    modelled = tuple(modelled_compute(cost, plan))
     factors = [m / p for m, p in zip(measured, modelled)]
-    stages, schedule = len(cost.stages), engine.schedule_name
-    return Calibration(tuple(measured), tuple(modelled), predict_time(plan, cost, stages, schedule),
-                       predict_time(plan, scaled(cost, factors), stages, schedule), max(rounds, 1))
+    stages = len(cost.stages)
+    return Measured(plan, measured, modelled, predict_time(plan, cost, stages, schedule),
+                    predict_time(plan, scaled(cost, factors), stages, schedule))
 
 
-def stage_seconds(stage_id: int, seconds: float) -> list[float]:
-    """Every stage's ``seconds`` (its slowest replica's), from each rank's own (collective where the
-    process group has several ranks)."""
+def stage_seconds(stage_id: int, seconds: list) -> list[list[float]]:
+    """Per stage, ``seconds`` (a list, one figure per candidate) of its slowest replica, from each
+    rank's own (collective where the process group has several ranks)."""
     everyone = [(stage_id, seconds)]
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        everyone = [None] * tdist.get_world_size()
+    if _world() > 1:
+        everyone = [None] * _world()
         tdist.all_gather_object(everyone, (stage_id, seconds))
-    return [max(s for stage, s in everyone if stage == i) for i in range(1 + max(stage for stage, _ in everyone))]
+    stages = 1 + max(stage for stage, _ in everyone)
+    return [[max(s[i] for stage, s in everyone if stage == k) for i in range(len(seconds))] for k in range(stages)]
+
+
+def _from_rank0(value):
+    """Rank 0's ``value`` on every rank: the candidates are floating-point choices, and every rank
+    must run the same ones."""
+    if _world() == 1:
+        return value
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
 
 
 def _barrier() -> None:
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+    if _world() > 1:
         tdist.barrier()
