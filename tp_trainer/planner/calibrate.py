@@ -18,7 +18,8 @@ apart (benchmarks/README, sessions 13 and 15). So beside the planned slicing, th
 2/3 and 3/2 as many slices (the best the simulation finds among the DP's and the uniform ones, same
 stage split and microbatching) are measured the same way, in turns, and the engine runs the one
 of least calibrated step (``Calibration.chosen``; another only where it predicts >= 1% less).
-Costs a warm-up and up to 5 rounds of every candidate (~6 s for the default case), leaves the model as
+Costs a warm-up and up to 5 rounds of every candidate (~6 s for the default case; a plan whose
+compute takes over ~1.7 s is measured alone, once or a few times), leaves the model as
 found (gradients None, the RNG streams restored), and runs only where the step defers weight
 gradients (fp32 / ZeRO <= 1, ``engine.weight_grads``): there no DeepSpeed hook reads ``.grad`` during
 a backward, so the probe's gradients can be dropped afterwards.
@@ -180,9 +181,11 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
               others: bool = True) -> Calibration:
     """Measure ``plan`` (the engine's) and, with ``others``, its ``alternatives`` (rank 0's, broadcast):
     each stage runs a candidate's compute (``step_order_seconds``) with every rank at once. One
-    warm-up round of every candidate (its first-touch allocations are not the step's), then as many
-    rounds as fit in ``budget_s`` at the slowest rank's warm-up pace (1..``most``; none when the
-    warm-up alone took longer, which is then the figure), the candidates taking turns. Every stage's
+    warm-up round of the planned plan (its first-touch allocations are not the step's); the others
+    only where the slowest rank's warm-up took <= 1/3 of ``budget_s`` (a long step is measured alone),
+    then warmed up too; then as many rounds of all as fit in ``budget_s`` at the warm-up pace
+    (1..``most``; none when the warm-up alone took longer, which is then the figure), the candidates
+    taking turns. Every stage's
     median (its slowest replica's) is gathered and each candidate's step predicted with its scaled
     models; ``Calibration.chosen`` is the one to run (``choose``). Collective; leaves the parameters'
     gradients as found and the RNG streams (CPU and accelerator) restored."""
@@ -190,24 +193,23 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
 
     from .profile import StageRunner
     accel = get_accelerator()
-    plans = [plan, *(_from_rank0(alternatives(cost, plan, engine.schedule_name)) if others else [])]
-    slice_plans = [p.to_slice_plan() for p in plans]
     runner = StageRunner(engine.module, engine.slice_context, engine.hidden_size, plan.seq_len)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     cpu_rng, accel_rng = torch.random.get_rng_state(), accel.get_rng_state()
+    plans = [plan]
     try:
-        warmup = []
-        for slice_plan in slice_plans:
-            _barrier()
-            warmup.append(step_order_seconds(engine, runner, slice_plan))
+        warmup = [_timed(engine, runner, plan)]
+        pace = max(stage[0] for stage in stage_seconds(engine.stage_id, warmup))   # every rank sees the same
+        if others and 3 * pace <= budget_s:   # a round of the planned plan and two others fits the budget
+            plans += _from_rank0(alternatives(cost, plan, engine.schedule_name))
+            warmup += [_timed(engine, runner, other) for other in plans[1:]]
         paces = stage_seconds(engine.stage_id, warmup)   # [stage][candidate]
         slowest = sum(max(stage[i] for stage in paces) for i in range(len(plans)))   # one round of all
         rounds = min(most, int(budget_s / slowest)) if slowest < budget_s else 0
         seconds = [[] for _ in plans]
         for _ in range(rounds):
-            for i, slice_plan in enumerate(slice_plans):
-                _barrier()
-                seconds[i].append(step_order_seconds(engine, runner, slice_plan))
+            for i, candidate in enumerate(plans):
+                seconds[i].append(_timed(engine, runner, candidate))
     finally:
         for p in runner.params:
             if id(p) not in had_grad:
@@ -219,6 +221,12 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
     candidates = tuple(measure(cost, p, tuple(stage[i] for stage in per_stage), engine.schedule_name)
                        for i, p in enumerate(plans))
     return Calibration(candidates, choose(candidates), max(rounds, 1))
+
+
+def _timed(engine, runner, plan: PlannedBatch) -> float:
+    """``step_order_seconds`` of ``plan``, every rank starting together."""
+    _barrier()
+    return step_order_seconds(engine, runner, plan.to_slice_plan())
 
 
 def measure(cost: PipelineCost, plan: PlannedBatch, measured: tuple, schedule: str) -> Measured:
