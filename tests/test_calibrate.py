@@ -88,3 +88,35 @@ def test_choose_keeps_the_plan_unless_another_measures_clearly_faster():
     assert "runs 8 slices instead" in text and "median of 4" in text
     assert f"predicted step {faster.predicted:.3f} s calibrated" in text
     assert "kept the planned slices" in Calibration((planned, slower), 0, 3).describe()
+
+
+def test_alternatives_keep_a_shared_half_on_both_stages():
+    """With a half shared from token ``after`` on, a candidate must start a slice at or after it, or
+    the front stage's copy would run no slice (and its tied reduction would wait for nothing)."""
+    cost = no_step_cost(f=2e-3)
+    plan = with_slices(256, 2, [1, 1], (48, 40, 40, 32, 32, 32, 32))
+    for after in (8, 200, 240):
+        for alt in alternatives(cost, plan, shared_after=after):
+            starts = [sum(alt.slices[0][:j]) for j in range(len(alt.slices[0]))]
+            assert any(s >= after for s in starts), (after, alt.slices[0])
+
+
+def test_a_tied_copy_that_ran_no_slice_adds_zeros(monkeypatch):
+    """TIED_START with a tied weight whose gradient is None on this rank (a shared half that ran no
+    slice here): it joins the reduction with zeros instead of skipping it, which would leave its
+    peers waiting (gloo) or spinning (shared memory) and the copies apart."""
+    import torch
+    from types import SimpleNamespace
+    from tp_trainer.ds_compat import tail
+    weight, frozen = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    reduced = []
+    monkeypatch.setattr(tail, "shared_memory_reduce", lambda group, grad: False)
+    monkeypatch.setattr(tail.dist, "all_reduce", lambda grad, group=None, async_op=False: reduced.append(grad)
+                        or SimpleNamespace(wait=lambda: None))
+    module = SimpleNamespace(get_tied_weights_and_groups=lambda: [(weight, "group"), (frozen, "group")])
+    engine = SimpleNamespace(module=module, using_bf16_optimizer=False, _tp_tail_state={})
+    monkeypatch.setattr(tail, "_state", lambda engine: engine._tp_tail_state)
+    tail.post_tied_reduce(engine)
+    tail.wait_tied_reduce(engine)
+    assert len(reduced) == 1 and reduced[0] is weight.grad and torch.equal(weight.grad, torch.zeros(3, 2))
+    assert frozen.grad is None   # a frozen tied weight is not in the optimizer: nothing to sum

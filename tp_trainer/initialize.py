@@ -128,7 +128,7 @@ def calibrate_plan(engine, layout, terapipe):
     if layout is None or not terapipe.calibrate or layout.ckpt is not None or engine.weight_grads is None:
         return None
     from .planner.calibrate import calibrate
-    return calibrate(engine, layout.cost, layout.plan)
+    return calibrate(engine, layout.cost, layout.plan, shared_after=layout.split.shared_after)
 
 
 def measured_split(spec: PipelineSpec) -> bool:

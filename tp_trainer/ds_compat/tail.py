@@ -56,6 +56,11 @@ def post_tied_reduce(engine) -> None:
         raise RuntimeError("TIED_START twice in one step: the previous all-reduce was never waited for")
     works = []
     for weight, group in engine.module.get_tied_weights_and_groups():
+        if not engine.using_bf16_optimizer and weight.requires_grad and weight.grad is None:
+            # this copy ran no slice this step (a shared half whose threshold no slice of this stage
+            # meets): it adds zeros. Skipped, as DeepSpeed skips a None gradient, the peers would sum
+            # without this rank (gloo waits for it, shared memory spins) and the copies would part
+            weight.grad = torch.zeros_like(weight)
         grad = weight._hp_grad if engine.using_bf16_optimizer else weight.grad
         if grad is None:
             continue

@@ -97,16 +97,20 @@ def choose(candidates, margin: float = 0.01) -> int:
     return best if candidates[best].predicted < (1.0 - margin) * candidates[0].predicted else 0
 
 
-def alternatives(cost: PipelineCost, plan: PlannedBatch, schedule: str = "gpipe", granularity: int = 8
-                 ) -> list[PlannedBatch]:
+def alternatives(cost: PipelineCost, plan: PlannedBatch, schedule: str = "gpipe", granularity: int = 8,
+                 shared_after: int = 0) -> list[PlannedBatch]:
     """The plans measured beside ``plan`` (same microbatching, equal slicing in every microbatch):
     of the DP's and the uniform candidates (``predict.candidate_plans``), the best simulated one
-    with at most 2/3 of ``plan``'s slices (and 2 or more), and the best with at least 3/2 as many."""
+    with at most 2/3 of ``plan``'s slices (and 2 or more), and the best with at least 3/2 as many.
+    ``shared_after`` (the split's ``shared_after``, 0: none): a half both stages hold runs on the
+    front stage for the slices starting at or after it, so a candidate must have one (else that copy
+    would run no slice: the split was balanced for slices that reach it)."""
     stages, count = len(cost.stages), len(plan.slices[0])
     cands = candidate_plans(cost, plan.seq_len, sum(plan.microbatch_sizes), stages, granularity,
                             plan.microbatch_sizes[0])
     usable = [c for c in cands.values() if c.microbatch_sizes == plan.microbatch_sizes and c.uniform_microbatches
-              and c.slices[0] != plan.slices[0]]
+              and c.slices[0] != plan.slices[0]
+              and (not shared_after or sum(c.slices[0][:-1]) >= shared_after)]   # the last slice's start
     out = []
     for wanted in (lambda n: 2 <= n <= count * 2 // 3, lambda n: n >= -(-count * 3 // 2)):
         fitting = [c for c in usable if wanted(len(c.slices[0]))]
@@ -178,7 +182,7 @@ def step_order_seconds(engine, runner, plan=None) -> float:
 
 
 def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 5.0, most: int = 5,
-              others: bool = True) -> Calibration:
+              others: bool = True, shared_after: int = 0) -> Calibration:
     """Measure ``plan`` (the engine's) and, with ``others``, its ``alternatives`` (rank 0's, broadcast):
     each stage runs a candidate's compute (``step_order_seconds``) with every rank at once. One
     warm-up round of the planned plan (its first-touch allocations are not the step's); the others
@@ -187,8 +191,9 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
     (1..``most``; none when the warm-up alone took longer, which is then the figure), the candidates
     taking turns. Every stage's
     median (its slowest replica's) is gathered and each candidate's step predicted with its scaled
-    models; ``Calibration.chosen`` is the one to run (``choose``). Collective; leaves the parameters'
-    gradients as found and the RNG streams (CPU and accelerator) restored."""
+    models; ``Calibration.chosen`` is the one to run (``choose``). ``shared_after``: the split's
+    (``alternatives``). Collective; leaves the parameters' gradients as found and the RNG streams
+    (CPU and accelerator) restored."""
     from deepspeed.accelerator import get_accelerator
 
     from .profile import StageRunner
@@ -201,7 +206,7 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
         warmup = [_timed(engine, runner, plan)]
         pace = max(stage[0] for stage in stage_seconds(engine.stage_id, warmup))   # every rank sees the same
         if others and 3 * pace <= budget_s:   # a round of the planned plan and two others fits the budget
-            plans += _from_rank0(alternatives(cost, plan, engine.schedule_name))
+            plans += _from_rank0(alternatives(cost, plan, engine.schedule_name, shared_after=shared_after))
             warmup += [_timed(engine, runner, other) for other in plans[1:]]
         paces = stage_seconds(engine.stage_id, warmup)   # [stage][candidate]
         slowest = sum(max(stage[i] for stage in paces) for i in range(len(plans)))   # one round of all
