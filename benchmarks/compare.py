@@ -24,7 +24,8 @@ model, so (c) keeps its plan), and every figure is the median over runs with the
 Step time of a pipelined step = the slowest rank's wall time from the barrier to the end of
 ``train_batch``. The figure to steer by is (c)/(a) throughput (its limit is K); beside it (c)'s
 efficiency against (a)/K, (d)/K and a stage probe (each stage's units of (c)'s plan, alone and with
-all ranks at once; unit by unit, and in (c)'s schedule order), the cost model's predicted time, the first step's
+all ranks at once; unit by unit, and in (c)'s schedule order), the cost model's predicted time and (c)'s
+calibrated one (``terapipe.calibrate``: made at each run's start-up), the first step's
 loss of every variant (they train the same thing), the goals as met / not met (_compare_report.py),
 and a Gantt chart of one (c) step (the median of 3) beside the simulator's prediction, with each
 stage's busy time per instruction kind and its step tail. Writes ``--out``.{md,json} and
