@@ -87,10 +87,12 @@ class TeraPipeConfig:
     calibrate: bool = True
     """With "auto" slices and no memory limit: once the engine is built, every stage runs its compute
     of the planned step a few times (all ranks at once, the step's order, messages left out: a
-    warm-up, then up to five rounds within ~5 s) and the predicted step is simulated again with each stage's cost model
-    scaled to what it measured (``planner/calibrate.py``); the plan report gives both predictions.
-    Only where weight gradients are deferred (fp32 / ZeRO <= 1). false: the profile's prediction
-    alone, no extra work at start-up."""
+    warm-up, then up to five rounds within ~5 s), and so do the best plans with ~2/3 and ~3/2 as
+    many slices (same split and microbatching) where a round of the three fits in that time. Each
+    stage's cost model is scaled to what it measured and the steps simulated again; the engine runs
+    the plan of least such step (another than the planned one only where it predicts >= 1% less) and
+    the plan report gives both predictions (``planner/calibrate.py``). Only where weight gradients
+    are deferred (fp32 / ZeRO <= 1). false: the profile's plan and prediction, no extra work."""
 
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the

@@ -13,10 +13,10 @@ units (``scaled``), and the schedule simulated again: the bubble, the messages, 
 the step tail stay predicted; only the compute is measured.
 
 The profile also misprices slices: its per-unit constants move by a third from one profile to the
-next, so the DP picks 6 slices after one profile and 9-10 after another, and the two measure 2-3%
-apart (benchmarks/README, sessions 13 and 15). So beside the planned slicing, the plans with about
-2/3 and 3/2 as many slices (the best the simulation finds among the DP's and the uniform ones, same
-stage split and microbatching) are measured the same way, in turns, and the engine runs the one
+next, so the DP picks 6 slices after one profile and 9-10 after another (benchmarks/README,
+session 13). So beside the planned slicing, the plans with about 2/3 and 3/2 as many slices (the
+best the simulation finds among the DP's and the uniform ones, same stage split and microbatching,
+reaching a shared half's threshold) are measured the same way, in turns, and the engine runs the one
 of least calibrated step (``Calibration.chosen``; another only where it predicts >= 1% less).
 Costs a warm-up and up to 5 rounds of every candidate (~6 s for the default case; a plan whose
 compute takes over ~1.7 s is measured alone, once or a few times), leaves the model as
