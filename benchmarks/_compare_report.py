@@ -181,7 +181,7 @@ def _prediction_errors(runs: list[dict]) -> str:
     calibrated = [_predicted_error(r, C, "calibrated_s") for r in runs]
     median = "" if None in calibrated else f"median {100 * statistics.median(calibrated):+.1f}%; "
     return (f"{median}per run, calibrated at start-up / from the profile alone: "
-            + ", ".join(f"{pct(_predicted_error(r, C, 'calibrated_s'))} / {pct(_predicted_error(r, C))}" for r in runs))
+            + ", ".join(f"{pct(e)} / {pct(_predicted_error(r, C))}" for e, r in zip(calibrated, runs)))
 
 
 def _probe_line(run: dict) -> str:

@@ -33,7 +33,8 @@ from .profile import profile_stage, stage_functions, time_copy
 from .report import make_plan, report
 
 
-def _dist() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(this rank, world size) of the process group, (0, 1) without one."""
     if tdist.is_available() and tdist.is_initialized():
         return tdist.get_rank(), tdist.get_world_size()
     return 0, 1
@@ -44,7 +45,7 @@ def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: 
 
     One process: a local copy of the same size instead. The result is broadcast from rank 0.
     """
-    rank, world = _dist()
+    rank, world = rank_and_world()
     if world < 2:
         return time_copy(hidden, seq_len, bytes_per_element)
     from deepspeed.accelerator import get_accelerator
@@ -77,7 +78,7 @@ def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: 
 def gather_cost(module, stages: int, stage_id: int, hidden: int, seq_len: int, batch_sizes, granularity: int,
                 time_budget_s: float, slice_context=None) -> PipelineCost:
     """Profile this rank's stage; every rank gets the PipelineCost of all stages."""
-    rank, world = _dist()
+    rank, world = rank_and_world()
     ctx = slice_context or module.slice_context
     mine = profile_stage(module, ctx, hidden, seq_len, batch_sizes, granularity, time_budget_s,
                          progress=True, desc=f"profile stage {stage_id} (rank {rank})")
@@ -108,7 +109,7 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
     ``cost_model_path``: read if it exists (no profiling), else written after profiling.
     ``save_dir``: rank 0 writes ``plan.json`` and ``plan.txt`` there.
     """
-    rank, _ = _dist()
+    rank, _ = rank_and_world()
     stage_id = module.stage_id if stage_id is None else stage_id
     hidden = hidden or _hidden(module)
     if cost is None and cost_model_path and os.path.isfile(cost_model_path):
@@ -126,7 +127,7 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
         result = [(plan, text)]
         if save_dir:
             save_plan(save_dir, plan, text)
-    if _dist()[1] > 1:
+    if rank_and_world()[1] > 1:
         tdist.broadcast_object_list(result, src=0)
     return result[0]
 
@@ -146,7 +147,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS).
     ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``)."""
-    rank, world = _dist()
+    rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
         from ..memory import lean_heap  # RSS then follows the bytes in use, as the memory model counts them
@@ -181,7 +182,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
 
 def _every_rank(value: float) -> list[float]:
     """``value`` of every rank (collective where there are several ranks)."""
-    world = _dist()[1]
+    world = rank_and_world()[1]
     if world == 1:
         return [float(value)]
     everyone = [None] * world
@@ -219,7 +220,7 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
              halves: bool = True):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
-    rank, world = _dist()
+    rank, world = rank_and_world()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
                                           unit_limit, halves)

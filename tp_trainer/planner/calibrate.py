@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
+from .auto import rank_and_world
 from .cost_model import PipelineCost, StageCost
 from .dp import PlannedBatch
 from .layer_cost import plan_units
@@ -204,11 +205,11 @@ def calibrate(engine, cost: PipelineCost, plan: PlannedBatch, budget_s: float = 
     plans = [plan]
     try:
         warmup = [_timed(engine, runner, plan)]
-        pace = max(stage[0] for stage in stage_seconds(engine.stage_id, warmup))   # every rank sees the same
-        if others and 3 * pace <= budget_s:   # a round of the planned plan and two others fits the budget
-            plans += _from_rank0(alternatives(cost, plan, engine.schedule_name, shared_after=shared_after))
+        paces = stage_seconds(engine.stage_id, warmup)   # [stage][candidate]: every rank sees the same
+        if others and 3 * max(stage[0] for stage in paces) <= budget_s:   # a round of three fits the budget
+            plans += _from_rank0(lambda: alternatives(cost, plan, engine.schedule_name, shared_after=shared_after))
             warmup += [_timed(engine, runner, other) for other in plans[1:]]
-        paces = stage_seconds(engine.stage_id, warmup)   # [stage][candidate]
+            paces = stage_seconds(engine.stage_id, warmup)
         slowest = sum(max(stage[i] for stage in paces) for i in range(len(plans)))   # one round of all
         rounds = min(most, int(budget_s / slowest)) if slowest < budget_s else 0
         seconds = [[] for _ in plans]
@@ -246,28 +247,24 @@ def measure(cost: PipelineCost, plan: PlannedBatch, measured: tuple, schedule: s
 def stage_seconds(stage_id: int, seconds: list) -> list[list[float]]:
     """Per stage, ``seconds`` (a list, one figure per candidate) of its slowest replica, from each
     rank's own (collective where the process group has several ranks)."""
-    everyone = [(stage_id, seconds)]
-    if _world() > 1:
-        everyone = [None] * _world()
+    everyone, world = [(stage_id, seconds)], rank_and_world()[1]
+    if world > 1:
+        everyone = [None] * world
         tdist.all_gather_object(everyone, (stage_id, seconds))
     stages = 1 + max(stage for stage, _ in everyone)
     return [[max(s[i] for stage, s in everyone if stage == k) for i in range(len(seconds))] for k in range(stages)]
 
 
-def _from_rank0(value):
-    """Rank 0's ``value`` on every rank: the candidates are floating-point choices, and every rank
-    must run the same ones."""
-    if _world() == 1:
-        return value
-    box = [value]
-    tdist.broadcast_object_list(box, src=0)
+def _from_rank0(make):
+    """``make()``, computed on rank 0 and broadcast: the candidates are floating-point choices, and
+    every rank must run the same ones (the others wait instead of repeating the planner's work)."""
+    rank, world = rank_and_world()
+    box = [make() if rank == 0 else None]
+    if world > 1:
+        tdist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _world() -> int:
-    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
-
-
 def _barrier() -> None:
-    if _world() > 1:
+    if rank_and_world()[1] > 1:
         tdist.barrier()
