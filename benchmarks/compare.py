@@ -228,16 +228,20 @@ def flush_seconds(engine) -> float:
     return time.perf_counter() - start
 
 
-def stage_probe(engine, args, rounds: int = 7) -> dict:
+def stage_probe(engine, args, most: int = 7, least: int = 3, budget_s: float = 20.0) -> dict:
     """This stage's share of a (c) step, compute only, two ways, each with every other rank waiting at
     a barrier ("alone") and with all ranks computing at once ("together", as in the step: what sharing
-    this machine's cores costs); median and fastest of ``rounds``:
+    this machine's cores costs); median and fastest of ``most`` rounds, or of as many as fit in
+    ``budget_s`` after the first (at least ``least``; every rank runs the slowest rank's count). A
+    round is 2 ways x (world + 1) turns of a stage's compute: ~2.4 s on the default case (7 rounds),
+    ~8 s on 8 x 512 (3 rounds, ~25 s a run instead of ~55 s):
       - per unit (``together``, ``alone``): forward + backward of every unit of (c)'s plan (slice j
         attending to its context) one unit at a time, then the deferred weight gradients: the way
         the planner profiles a unit, its data still in cache;
       - in step order (``order_together``, ``order_alone``): the stage's ForwardSlice /
         BackwardSlice / WeightGrad instructions of (c)'s own schedule, in its order, without the
         messages: every forward's activations and K/V held until its backward, as in the step."""
+    import torch
     import torch.distributed as tdist
 
     from tp_trainer.planner.calibrate import step_order_seconds
@@ -249,13 +253,22 @@ def stage_probe(engine, args, rounds: int = 7) -> dict:
             + flush_seconds(engine), "order_": lambda: step_order_seconds(engine, runner)}
     rank, world = tdist.get_rank(), tdist.get_world_size()
     out = {f"{way}{kind}": [] for way in ways for kind in ("alone", "together")}
-    for _ in range(rounds):
+
+    def one_round() -> None:
         for way, run in ways.items():
             for turn in (*range(world), "all"):
                 tdist.barrier()
                 if turn in ("all", rank):
                     out[f"{way}{'together' if turn == 'all' else 'alone'}"].append(run())
-    tdist.barrier()
+        tdist.barrier()
+
+    start = time.perf_counter()
+    one_round()
+    first = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    tdist.all_reduce(first, op=tdist.ReduceOp.MAX)  # one round count on every rank
+    rounds = max(least, min(most, 1 + int(budget_s // first.item())))
+    for _ in range(rounds - 1):
+        one_round()
     return {**{key: statistics.median(values) for key, values in out.items()},
             **{f"{key}_min": min(values) for key, values in out.items() if key.endswith("together")},
             "rounds": rounds}
