@@ -52,6 +52,7 @@ def summarize_run(args, res: dict) -> dict:
             "eff_vs_a": med[A] / k / med[C], "eff_vs_d": med[D] / k / med[C],
             "eff_vs_d_min": min(steps[D]) / k / min(steps[C]), "eff_vs_probe": probe_ideal / med[C],
             "eff_vs_probe_order": order_ideal / med[C], "ceiling": med[A] / probe_ideal,
+            "reach_d": med[A] / (med[D] / k),
             "best_b": best_b, "probe": probe, "load": statistics.median(res["load_1min"]),
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
             "profile_load": res.get("profile_load"), "splits": res.get("splits", {}),
@@ -135,12 +136,32 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                f"({statistics.median(ratio):.2f}); (c) not slower than any (b): "
                f"{yes[goals['c_not_slower_than_any_b']]} ({med[C]:.3f} vs "
                f"{med[best_b] if best_b else float('nan'):.3f} s of {best_b}); predicted (c) step within 10%: "
-               f"{yes[goals['c_predicted_within_10pct']]} ({_prediction_errors(runs)})")]
+               f"{yes[goals['c_predicted_within_10pct']]} ({_prediction_errors(runs)})"),
+              *_reach_lines(goal, runs)]
     report = {"setup": {a: getattr(args, a) for a in ("stages", "batch", "seq_len", "n_layer", "n_embd", "n_head",
                                                        "vocab_size", "uniform", "steps", "warmup", "budget", "seed")},
               "runs": runs, "median_s": med, "c_over_a": ratio, "goal": goal, "goals": goals,
               "load_1min_before": load_before, "wall_s": wall_s, "plan_report": plan_report}
     return report, "\n".join(lines)
+
+
+def _reach_lines(goal: float, runs: list[dict]) -> list[str]:
+    """How far the (c)/(a) goal lies from what this machine allows: (a) / ((d)/K), the ratio of a
+    K-stage step that ran at exactly one process's step / K (its work split perfectly, no bubble,
+    messages, tail or second core computing at once), and (a) / the busiest stage's probe ((c)'s own
+    units, all stages computing at once). A goal above both is out of reach here for any plan that
+    does (c)'s work; [] for result files older than these figures."""
+    reach = [r["reach_d"] for r in runs if "reach_d" in r]
+    if not reach:
+        return []
+    ceiling = statistics.median(r.get("ceiling", float("nan")) for r in runs)
+    above = [name for name, value in (("(a) / ((d)/K)", statistics.median(reach)),
+                                      ("(a) / the busiest stage's probe", ceiling)) if goal > value]
+    verdict = ("below both" if not above else f"above {above[0]}" if len(above) == 1
+               else "above both: out of reach on this machine for (c)'s work")
+    return [f"reach: (c)/(a) of a step at exactly (d)/K ((a) / ((d)/K)) {_spread(reach)}, (a) / the busiest "
+            f"stage's probe {ceiling:.2f}; the goal {goal} lies {verdict}; it needs (c) at "
+            f"{goal / statistics.median(reach):.3f} of (d)/K's speed"]
 
 
 def _turn_lines(runs: list[dict]) -> list[str]:
