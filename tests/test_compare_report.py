@@ -29,7 +29,7 @@ def test_a_run_gives_a_over_d_per_stage():
 @pytest.mark.parametrize("goal, verdict", [
     (1.3, "above (a) / the busiest stage's probe"),    # batch 4 here: 1.32 and 1.21
     (1.2, "below both"),
-    (1.4, "above both: out of reach"),
+    (1.4, "above both: (c) would have to beat one process's speed x K and its own stages' probe"),
 ])
 def test_the_goal_is_placed_against_both_ceilings(goal, verdict):
     runs = [{"reach_d": r, "ceiling": 1.21} for r in (1.30, 1.32, 1.36)]
