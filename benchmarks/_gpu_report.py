@@ -107,18 +107,28 @@ def step5_text(calib: dict) -> str:
     return gf.describe(calib["spec"], calib["fit"]) + f"{best} Peak: {calib['peak_source']}."
 
 
-def markdown(env: dict, steps: list[dict], calib: dict, paper: dict, multi: list[dict], seconds: float) -> str:
-    import _gpu_fit as gf
+def markdown(env: dict, steps: list[dict], calib: dict, paper: dict, multi: list[dict], seconds: float,
+             slices: dict | None = None) -> str:
+    import _gpu_slices
     device = env["device_name"]
+    slice_text = _gpu_slices.markdown(slices, device) if slices else "## Slices: skipped (not in --steps)\n"
+    if "skipped" in calib:
+        return "\n".join([
+            f"# GPU check on {device}", "", versions(env), "",
+            "## Steps 1-3 and 2+ GPUs (GPU only)", "", steps_table(steps + multi), "", slice_text,
+            f"## Steps 4-5: skipped ({calib['skipped']})", "", f"Whole check: {seconds:.1f} s.", ""])
     return "\n".join([
-        f"# GPU check on {device}", "",
-        f"Accelerator `{env['accelerator']}`, GPUs {env['gpus']}, driver {env['driver']}, torch {env['torch']} "
-        f"(CUDA {env['torch_cuda']}, NCCL {env['nccl']}), DeepSpeed {env['deepspeed']}, transformers "
-        f"{env['transformers']}, Python {env['python']}; CPU {env['cpu']} x {env['cpu_count']}.", "",
-        "## Steps 1-3 and 2+ GPUs (GPU only)", "", steps_table(steps + multi), "",
+        f"# GPU check on {device}", "", versions(env), "",
+        "## Steps 1-3 and 2+ GPUs (GPU only)", "", steps_table(steps + multi), "", slice_text,
         f"## Step 4: per-slice cost on {calib['device']} ({device})", "", slicing_table(calib),
         f"## Step 5: analytic device model fitted on {device}", "", step5_text(calib), "", paper["text"], "",
         f"Whole check: {seconds:.1f} s. Cost curves: cost_curve.png.", ""])
+
+
+def versions(env: dict) -> str:
+    return (f"Accelerator `{env['accelerator']}`, GPUs {env['gpus']}, driver {env['driver']}, torch {env['torch']} "
+            f"(CUDA {env['torch_cuda']}, NCCL {env['nccl']}), DeepSpeed {env['deepspeed']}, transformers "
+            f"{env['transformers']}, Python {env['python']}; CPU {env['cpu']} x {env['cpu_count']}.")
 
 
 def plot(path: str, calib: dict, device_name: str) -> None:
@@ -168,12 +178,17 @@ def plot(path: str, calib: dict, device_name: str) -> None:
     plt.close(fig)
 
 
-def write(out_dir: str, env, steps, calib, paper, multi, seconds: float) -> dict:
-    """gpu_check.md, gpu_check.json and cost_curve.png in ``out_dir``; returns the JSON's content."""
-    text = markdown(env, steps, calib, paper, multi, seconds)
+def write(out_dir: str, env, steps, calib, paper, multi, seconds: float, slices: dict | None = None) -> dict:
+    """gpu_check.md, gpu_check.json and (with steps 4-5) cost_curve.png in ``out_dir``; returns the
+    JSON's content (the slice step's keys at its top level: ``slice_cost``, ``attention_kernels``, ...)."""
+    text = markdown(env, steps, calib, paper, multi, seconds, slices)
     files = [os.path.join(out_dir, name) for name in ("gpu_check.md", "gpu_check.json", "cost_curve.png")]
-    plot(files[2], calib, env["device_name"])
-    report = {"environment": env, "steps": steps, "multi_gpu": multi, "seconds": seconds, "files": files,
+    if "skipped" in calib:
+        files = files[:2]
+    else:
+        plot(files[2], calib, env["device_name"])
+    report = {**(slices or {}), "environment": env, "steps": steps, "multi_gpu": multi, "seconds": seconds,
+              "files": files,
               "calibration": {**{k: v for k, v in calib.items() if k != "spec"},
                               "spec": None if calib["spec"] is None else dataclasses.asdict(calib["spec"])},
               "paper_table": {k: v for k, v in paper.items() if k != "text"},

@@ -62,6 +62,11 @@ def parse_args(argv=None):
                    help="also time compiled blocks (auto: on a GPU only; compiling on 2 CPU cores takes minutes)")
     p.add_argument("--no_engine_steps", action="store_true",
                    help="skip steps 1-3 (reported as skipped): calibration only, e.g. to rerun it on a lent GPU")
+    p.add_argument("--steps", default="engine,slices,calibration,multi",
+                   help="comma-separated steps to run: engine (1-3), slices (eager vs captured, _gpu_slices.py), "
+                        "calibration (4-5), multi (2+ GPUs); the others are reported as skipped")
+    p.add_argument("--quick", action="store_true",
+                   help="about 3 minutes on a GPU: the slice step only, at 1, 8 and 32 slices")
     return p.parse_args(argv)
 
 
@@ -225,6 +230,11 @@ def _peak(env: dict, device: str, dtype) -> tuple[float, str]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    steps_asked = set(("slices",) if args.quick else args.steps.split(","))
+    unknown = steps_asked - {"engine", "slices", "calibration", "multi"}
+    if unknown:
+        raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from engine, slices, "
+                         "calibration, multi")
     start = time.perf_counter()
     env = environment()
     gpu = args.device != "cpu" and gpu_missing(env) is None
@@ -234,17 +244,28 @@ def main(argv=None) -> dict:
             sizes[key] = value
     out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", "" if gpu else "cpu")
     os.makedirs(out_dir, exist_ok=True)
-    steps = engine_steps(env, args.device, sizes["steps"], args.no_engine_steps)
-    _keep(out_dir, "steps1to3", steps)
     from deepspeed.accelerator import get_accelerator
-    calib = calibration(env, get_accelerator().device_name(0) if gpu else "cpu", sizes, args.compile, out_dir)
+    device = get_accelerator().device_name(0) if gpu else "cpu"
+    slices = None
+    if "slices" in steps_asked:   # first: the figures a lent GPU is wanted for
+        import _gpu_slices
+        slices = _gpu_slices.run(torch.device(device), args.quick,
+                                 lambda line: print(f"[gpu_check] slices: {line}", flush=True),
+                                 keep=lambda partial: _keep(out_dir, "slices", partial))
+        _keep(out_dir, "slices", slices)
+    steps = engine_steps(env, args.device, sizes["steps"], args.no_engine_steps or "engine" not in steps_asked)
+    _keep(out_dir, "steps1to3", steps)
+    calib = (calibration(env, device, sizes, args.compile, out_dir) if "calibration" in steps_asked else
+             {"skipped": "not in --steps", "spec": None, "sets": [], "groups": [], "gemm_sweeps": []})
     import _gpu_report as gr
     paper = (gr.paper_table(calib["spec"], only_175b=args.paper == "175b") if calib["spec"] is not None else
              {"rows": [], "text": "Paper-scale table: skipped (step 5 did not resolve a device model).", "175b": None})
-    multi = multi_gpu(env, args.device, out_dir)
-    result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start)
-    for name in ("steps1to3", "step4"):
-        os.remove(os.path.join(out_dir, f"partial_{name}.json"))
+    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked else
+             [{"name": "2+ GPUs: compare.py with NCCL, long context", "status": "skipped", "why": "not in --steps"}])
+    result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
+    for name in ("steps1to3", "step4", "slices"):
+        if os.path.exists(os.path.join(out_dir, f"partial_{name}.json")):
+            os.remove(os.path.join(out_dir, f"partial_{name}.json"))
     print(f"[gpu_check] written: {', '.join(result['files'])} ({time.perf_counter() - start:.1f} s)", flush=True)
     return result
 

@@ -146,3 +146,41 @@ def test_engine_steps_can_be_skipped():
     steps = gpu_check.engine_steps(env, "auto", 50, skip=True)
     assert [s["status"] for s in steps] == ["skipped"] * 3
     assert all(s["why"] == "--no_engine_steps was given" for s in steps)
+
+
+def test_slice_step_on_the_cpu(cpu_run):
+    """The slice step's records (what the GPU goals are checked from) in the report's JSON, eager on
+    a CPU: one per block set and slice count, with the fields the goals read; exactness passed."""
+    out, report, _ = cpu_run
+    records = report["slice_cost"]
+    assert {r["model"] for r in records} == {"gpt2-w64", "llama-w64"}
+    for r in records:
+        assert {"model", "seq_len", "slices", "mode", "ms", "whole_hf_ms", "whole_captured_ms",
+                "weight_grads", "attention"} <= set(r)
+        assert r["mode"] == "eager" and r["ms"] > 0 and r["whole_hf_ms"] > 0
+    assert sorted({r["slices"] for r in records}) == [1, 2, 4, 8]
+    assert all(ex["passed"] for ex in report["exactness"].values()) and not report["errors"]
+    assert "Exactness, llama-w64" in (out / "gpu_check.md").read_text()
+
+
+def test_slice_exactness_can_fail(monkeypatch):
+    """The slice step's exactness judge fails when the sliced layers lose the context's keys."""
+    import torch
+
+    import _gpu_capture as cap
+    import _gpu_slices
+    from tp_trainer.model import slice_cache
+
+    def blind(kv, start):   # each slice attends to itself only
+        return slice_cache.SliceCache(slice_cache.SequenceKV(kv.seq_len), 0)
+    original = cap.SlicedRun.__init__
+
+    def patched(self, layers, ctx, *args, **kwargs):
+        begin = ctx.begin
+        ctx.begin = lambda kv, start, length: (begin(kv, start, length),
+                                               setattr(ctx, "cache", blind(kv, start)),
+                                               setattr(ctx, "start", 0))
+        original(self, layers, ctx, *args, **kwargs)
+    monkeypatch.setattr(cap.SlicedRun, "__init__", patched)
+    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64)
+    assert not result["passed"]

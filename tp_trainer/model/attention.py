@@ -17,9 +17,11 @@ for every slice and layer, and saves the copies.
       copy). Memory kept per slice and layer is O(l x d) whatever the context; the transient mask
       is l x (c + l) per slice (not per layer).
 The first slice without a window uses the kernel's ``is_causal`` path, no mask.
-(A split at the context boundary, causal diagonal + unmasked context joined by log-sum-exp, was
-measured too: on this CPU kernel the causal path skips too little to pay for the join and the
-concatenation of the K/V gradients; see benchmarks/README.md.)
+
+On CUDA in fp16 / bf16 a slice needs no mask at all (``attention_cuda``: cuDNN or flash kernels).
+(The split at the context boundary that ``attention_cuda`` uses with cuDNN, causal diagonal +
+unmasked context joined by log-sum-exp, was measured on the CPU too: there the causal path skips
+too little to pay for the join and the concatenation of the K/V gradients.)
 
 ``slice_attention_forward`` is registered in HF's ``AttentionInterface`` as ``ATTN_NAME``; the
 attention modules of the pipeline's decoder blocks dispatch to it (``redirect``). Given a
@@ -37,6 +39,8 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
+
+from .attention_cuda import cuda_path, slice_attention_cuda
 
 ATTN_NAME = "tp_slice_sdpa"
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -143,6 +147,8 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
     span = attention_mask
     if getattr(span.source, "keys_only", False):  # kv_handoff: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+    if cuda_path(query, key, span, dropout, kwargs):
+        return slice_attention_cuda(query, key, value, span, scaling), None
     if fast_path(query, key, span, dropout, kwargs):
         out = _SliceAttention.apply(query, key, value, span, scaling)
         return out.transpose(1, 2).contiguous(), None

@@ -62,6 +62,24 @@ class DeferredWeightGrads:
             for entry in self.kept.pop(key, ()):
                 _apply(*entry)
 
+    def flush_merged(self) -> None:
+        """Add the weight gradients of every kept unit into ``.grad`` with one product per weight over
+        all their tokens (the units' x and dy concatenated), then free them. Opt-in: on a CPU one
+        product per unit was as fast; on a GPU a product per slice reads and writes the whole weight
+        gradient every slice (O(parameters) memory traffic per slice), one per sequence does it once,
+        at the price of concatenating x and dy (O(tokens x width))."""
+        merged: dict = {}
+        for key in list(self.kept):
+            for entry in self.kept.pop(key):
+                merged.setdefault((id(entry[0]), len(entry)), []).append(entry)
+        for entries in merged.values():
+            if len(entries[0]) == 3:   # embedding rows
+                weight = entries[0][0]
+                _apply(weight, torch.cat([e[1] for e in entries]), torch.cat([e[2] for e in entries]))
+                continue
+            weight, bias, in_out = entries[0][:3]
+            _apply(weight, bias, in_out, torch.cat([e[3] for e in entries]), torch.cat([e[4] for e in entries]))
+
     def __len__(self) -> int:
         """Units whose weight gradients are still kept."""
         return len(self.kept)

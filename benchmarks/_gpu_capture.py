@@ -1,0 +1,353 @@
+"""The GPU check's slice step: per-slice cost of decoder blocks, eager against captured (CUDA graphs).
+
+Block sets (bf16 on a GPU, fp32 on a CPU):
+  gpt2-medium  4 GPT-2 blocks, width 1024 (16 heads), seq 2048
+  llama-7b-pair  2 Llama layers of 7B width (4096, 32 heads, 8 KV heads, MLP 11008), seq 8192
+For each: one sequence (batch 1) as S uniform slices, S = 1 .. 32, forwards in order then backwards
+in reverse, through the pipeline's own layers (``DecoderBlock`` over a ``SliceContext``; on CUDA in
+bf16 the slices attend through the flash kernel, ``attention.flash_slice_attention``):
+  eager     the layers run slice by slice from Python, as the engine runs them today;
+  captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``).
+Against ``whole_hf_ms`` (HF's blocks on the whole sequence, eager: what DeepSpeed's own pipeline
+runs) and ``whole_captured_ms`` (the whole sequence as one slice through the same capture: what
+slicing costs by itself). Times are device time from one event before the step to one after it
+(host gaps included), the median of ``repeats`` steps after a warm-up; weight gradients accumulate in
+place in every mode. Per-slice forward / backward times of the captured runs feed the planner's
+cost fit and DP (``plan``) and a simulated pipeline (``simulate``).
+Also: the attention kernels a slice runs (profiler names), the attention's memory per slice against
+its context, and exactness against a float64 HF run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import traceback
+
+import torch
+
+from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
+
+SETS = {  # label: (family, hidden, heads, kv heads, intermediate, blocks, seq_len)
+    "gpt2-medium": ("gpt2", 1024, 16, 16, 4096, 4, 2048),
+    "llama-7b-pair": ("llama", 4096, 32, 8, 11008, 2, 8192),
+}
+CPU_SETS = {"gpt2-w64": ("gpt2", 64, 4, 4, 256, 2, 128), "llama-w64": ("llama", 64, 4, 2, 160, 2, 128)}
+
+
+def build_model(family, hidden, heads, kv_heads, intermediate, blocks, seq_len, device, dtype, seed=0):
+    """A fresh HF model of the block set (dropout 0, vocabulary 8, SDPA attention) on ``device``."""
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+        config = GPT2Config(n_layer=blocks, n_embd=hidden, n_head=heads, n_inner=intermediate, n_positions=seq_len,
+                            vocab_size=8, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0)
+        model_class = GPT2LMHeadModel
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(num_hidden_layers=blocks, hidden_size=hidden, num_attention_heads=heads,
+                             num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=8,
+                             bos_token_id=0, eos_token_id=0, max_position_embeddings=seq_len)
+        model_class = LlamaForCausalLM
+    config._attn_implementation = "sdpa"
+    return model_class(config).to(device=device, dtype=dtype).train()
+
+
+def block_params(model) -> list:
+    """The parameters of the model's decoder blocks (what the block set trains)."""
+    blocks = model.transformer.h if model.config.model_type == "gpt2" else model.model.layers
+    return [p for p in blocks.parameters() if p.requires_grad]
+
+
+def wrap(model):
+    """(pipeline DecoderBlocks over one SliceContext, whole-sequence runner of HF's blocks)."""
+    from tp_trainer.model.layers import DecoderBlock, SliceContext
+    gpt2 = model.config.model_type == "gpt2"
+    hf_blocks = list(model.transformer.h) if gpt2 else list(model.model.layers)
+    rotary = None if gpt2 else model.model.rotary_emb
+    ctx = SliceContext("sdpa")
+    name = "transformer.h" if gpt2 else "model.layers"
+    layers = [DecoderBlock(b, f"{name}.{i}", ctx, rotary=rotary) for i, b in enumerate(hf_blocks)]
+
+    def whole(hidden_in):
+        kwargs = {}
+        if rotary is not None:
+            positions = torch.arange(hidden_in.shape[1], device=hidden_in.device)[None]
+            kwargs = {"position_embeddings": rotary(hidden_in, positions), "position_ids": positions}
+        out = hidden_in
+        for block in hf_blocks:
+            out = block(out, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+        return out
+    return layers, ctx, whole
+
+
+def offsets(seq_len: int, slices: int) -> list[tuple[int, int]]:
+    bounds = [seq_len * k // slices for k in range(slices + 1)]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+WEIGHT_MODES = ("in B", "W per slice", "W per sequence")
+
+
+def variants(device) -> list[tuple[bool, str, str]]:
+    """(captured, weight gradients, attention kernel) of each timed variant."""
+    if device.type != "cuda":
+        return [(False, "in B", "cudnn")]
+    return ([(False, "in B", "cudnn")] + [(True, w, "cudnn") for w in WEIGHT_MODES]
+            + [(True, "W per sequence", "flash")])
+
+
+class SlicedRun:
+    """One sequence as uniform slices through ``layers``, eager or captured (``UnitGraphs``).
+
+    ``weights``: where the decoder blocks' linear weight gradients are made: "in B" (autograd's
+    backward, accumulated into ``.grad`` per slice), "W per slice" (deferred, ``addmm_`` into
+    ``.grad`` right after each slice's backward) or "W per sequence" (deferred, one product per
+    weight over all slices after the last backward: ``DeferredWeightGrads.flush_merged``)."""
+
+    def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
+                 weights: str = "in B"):
+        from tp_trainer.model.capture import UnitGraphs
+        from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears
+        self.offsets = offsets(seq_len, slices)
+        order = [("F", 0, j) for j in range(slices)] + [("B", 0, j) for j in reversed(range(slices))]
+        store = DeferredWeightGrads()
+        self.deferred = [] if weights == "in B" else deferrable_linears([layer.inner for layer in layers])
+        defer(self.deferred, store)
+
+        def run_forward(kv, m, j, x):
+            ctx.begin(kv, *self.offsets[j])
+            for layer in layers:
+                x = layer(x)
+            return x
+
+        def begin_backward(kv, m, j):
+            ctx.begin(kv, *self.offsets[j])
+            store.unit = (m, j)
+
+        def end_backward(kv, m, j):
+            if weights == "W per slice":
+                store.flush((m, j))
+            elif weights == "W per sequence" and j == 0:
+                store.flush_merged()
+        shapes = [[(1, length, hidden) for _, length in self.offsets]]
+        self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
+                                 capture=captured, end_backward=end_backward)
+
+    def close(self) -> None:
+        """Put the deferred layers' forward back."""
+        from tp_trainer.model.weight_grad import restore
+        restore(self.deferred)
+        self.graphs.close()
+
+    def step(self, inputs, grads, events=None):
+        """Forwards in order, backwards reversed: (outputs, input gradients); ``events``: per-unit
+        (start, end) CUDA events."""
+        g = self.graphs
+        outputs = []
+        for j, x in enumerate(inputs):
+            _mark(events, ("F", j), 0)
+            outputs.append(g.forward(0, j, x))
+            _mark(events, ("F", j), 1)
+        in_grads = [None] * len(inputs)
+        for j in reversed(range(len(inputs))):
+            _mark(events, ("B", j), 0)
+            in_grads[j] = g.backward(0, j, grads[j])
+            _mark(events, ("B", j), 1)
+        return outputs, in_grads
+
+
+def _mark(events, key, which):
+    if events is not None:
+        events.setdefault(key, [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+        events[key][which].record()
+
+
+def timed(run, repeats: int, device) -> float:
+    """Median milliseconds of ``run()`` after one warm-up (device events on CUDA, else wall clock)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
+    """The slice_cost records of one block set, the captured per-slice samples and its whole times."""
+    family, hidden, heads, kv_heads, inter, blocks, seq_len = spec
+    model = build_model(*spec, device, dtype)
+    layers, ctx, whole = wrap(model)
+    params = block_params(model)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(1, seq_len, hidden, device=device, dtype=dtype)
+    gy = torch.randn_like(x)
+    x_leaf = x.clone().requires_grad_()
+
+    def whole_step():
+        whole(x_leaf).backward(gy)
+    whole_hf = timed(whole_step, repeats, device)
+    records, samples, failures = [], {}, []
+    for mode_captured, weights, kernel in variants(device):
+        use_kernel(kernel)
+        for slices in slice_counts:
+            try:
+                run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights)
+                ins = [x[:, a:a + l] for a, l in run.offsets]
+                gs = [gy[:, a:a + l] for a, l in run.offsets]
+                ms = timed(lambda: run.step(ins, gs), repeats, device)
+                if mode_captured and weights != "W per sequence" and kernel == "cudnn":
+                    samples.setdefault(weights, []).extend(unit_samples(run, ins, gs))
+            except Exception:  # noqa: BLE001 -- the other variants still run
+                failures.append(f"{label} captured={mode_captured} {weights} {slices} slices: "
+                                + traceback.format_exc()[-1500:])
+                log(failures[-1])
+                _free(device)
+                break
+            records.append({"model": label, "seq_len": seq_len, "slices": slices,
+                            "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
+                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "ms": ms,
+                            "whole_hf_ms": whole_hf})
+            log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}) {slices} "
+                f"slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
+            run.close()
+            del run
+            _free(device)
+    use_kernel("cudnn")
+    for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
+        one = [o["ms"] for o in records if (o["mode"], o["weight_grads"], o["attention"], o["slices"]) ==
+               (r["mode"], r["weight_grads"], r["attention"], 1)]
+        r["whole_captured_ms"] = one[0] if one else None
+    kernels, attn_bytes, profiles = {}, {}, {}
+    try:
+        kernels = attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype)
+        profiles = {"whole_hf": top_kernels(whole_step, device),
+                    "one_slice_eager": top_kernels(_sliced(layers, ctx, params, hidden, seq_len, 1, device, dtype, x,
+                                                           gy), device),
+                    "eight_slices_eager": top_kernels(_sliced(layers, ctx, params, hidden, seq_len, 8, device, dtype,
+                                                              x, gy), device)}
+        attn_bytes = attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype)
+    except Exception:  # noqa: BLE001 -- recorded, the rest of the step still reported
+        kernels = {"error": traceback.format_exc()[-1500:]}
+    del model, layers
+    _free(device)
+    return {"records": records, "samples": samples, "hidden": hidden, "blocks": blocks, "seq_len": seq_len,
+            "whole_hf_ms": whole_hf, "attention_kernels": kernels, "attention_bytes_per_slice": attn_bytes,
+            "profiles": profiles, "failures": failures}
+
+
+def _sliced(layers, ctx, params, hidden, seq_len, slices, device, dtype, x, gy):
+    run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, False)
+    ins = [x[:, a:a + l] for a, l in run.offsets]
+    gs = [gy[:, a:a + l] for a, l in run.offsets]
+    return lambda: run.step(ins, gs)
+
+
+def top_kernels(run, device, count: int = 15) -> dict:
+    """{"calls", "device_ms", "top": [(kernel name, device ms, calls)] the ``count`` longest} of the GPU
+    kernels of one ``run()`` (after a warm-up)."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None)
+        total = getattr(e, "cuda_time_total", 0.0) if total is None else total
+        if total:
+            rows.append((e.key[:160], total / 1e3, e.count))
+    return {"calls": sum(r[2] for r in rows), "device_ms": sum(r[1] for r in rows),
+            "top": sorted(rows, key=lambda r: -r[1])[:count]}
+
+
+def unit_samples(run: SlicedRun, ins, gs, repeats: int = 3) -> list[list[float]]:
+    """[1, l, c, forward s, backward s] of every captured slice (median of ``repeats`` steps)."""
+    per = {}
+    for _ in range(repeats):
+        events = {}
+        run.step(ins, gs, events)
+        torch.cuda.synchronize()
+        for key, (a, b) in events.items():
+            per.setdefault(key, []).append(a.elapsed_time(b) / 1e3)
+    return [[1, l, c, statistics.median(per[("F", j)]), statistics.median(per[("B", j)])]
+            for j, (c, l) in enumerate(run.offsets)]
+
+
+def _free(device) -> None:
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype) -> dict:
+    """GPU kernel names with 'attention', 'flash' or 'fmha' in them, of one eager 4-slice step."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    run = SlicedRun(layers, ctx, params, hidden, seq_len, 4, device, dtype, False)
+    ins = [torch.randn(1, l, hidden, device=device, dtype=dtype) for _, l in run.offsets]
+    run.step(ins, [torch.randn_like(t) for t in ins])
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run.step(ins, [torch.randn_like(t) for t in ins])
+        torch.cuda.synchronize()
+    names = sorted({e.key for e in prof.key_averages()
+                    if any(w in e.key.lower() for w in ("attention", "flash", "fmha", "attn"))})
+    return {"slices": 4, "kernels": names, "flash": any("flash" in n.lower() for n in names)}
+
+
+def _flash_call(module, query, keys, values, span):
+    from tp_trainer.model.attention import slice_attention_forward
+    use_kernel("flash")
+    try:
+        return slice_attention_forward(module, query, keys, values, span)
+    finally:
+        use_kernel("cudnn")
+
+
+def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype) -> dict:
+    """Memory of one layer's attention of a slice of l = seq/8 tokens after c tokens of context:
+    bytes kept for backward (allocated after the forward, the output's included) and the forward's
+    transient peak, through the slice path and through HF's SDPA with the slice's boolean mask."""
+    if device.type != "cuda":
+        return {}
+    from tp_trainer.model.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
+    module = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
+    d, l = hidden // heads, seq_len // 8
+    out = {"slice_tokens": l, "contexts": [], "slice_path": [], "slice_path_flash": [], "mask_path": []}
+    for c in (0, seq_len // 4, seq_len // 2, seq_len - l):
+        keys = torch.randn(1, kv_heads, c + l, d, device=device, dtype=dtype, requires_grad=True)
+        values = torch.randn_like(keys, requires_grad=True)
+        query = torch.randn(1, heads, l, d, device=device, dtype=dtype, requires_grad=True)
+        span = SliceSpan(c, l)
+        for name, call in (("slice_path", lambda: slice_attention_forward(module, query, keys, values, span)),
+                           ("slice_path_flash", lambda: _flash_call(module, query, keys, values, span)),
+                           ("mask_path", lambda: sdpa_attention_forward(
+                               module, query, keys, values, span.mask(device), 0.0, None, None))):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            result = call()[0]
+            torch.cuda.synchronize()
+            out[name].append({"kept": torch.cuda.memory_allocated() - before,
+                              "peak": torch.cuda.max_memory_allocated() - before})
+            del result
+        out["contexts"].append(c)
+    return out

@@ -1,0 +1,232 @@
+"""The GPU check's slice step: runs ``_gpu_capture`` over its block sets, judges exactness, plans
+with the measured costs, simulates deeper pipelines, and writes the report's section.
+
+    exactness   per block set at a short sequence: the pipeline's layers on 8 uniform slices (eager,
+                and captured on CUDA) and HF's blocks on the whole sequence, each in fp32 (TF32 off)
+                and in the check's low precision, against HF's blocks in float64: relative error
+                ||x - ref|| / ||ref|| of the output, the input gradient and all weight gradients
+                (the largest of the three). Passes when the sliced error is at most twice HF's own in
+                the same precision (plus 1e-6 for fp32).
+    plan        the planner's cost fit over the captured runs' per-slice samples (b = 1) and its DP
+                for 2 stages, batch 1 (each stage the measured block set), granularity 64 tokens.
+    simulated   K = 2, 4, 8 stages of that block set, batch 1 and 4 (microbatches of one sequence):
+                TeraPipe's DP plan (sum t + (K - 1) max t) against DeepSpeed's 1F1B on whole
+                sequences ((B + K - 1) x the whole sequence's time, HF eager and captured).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+
+import _gpu_capture as cap
+
+SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
+QUICK_COUNTS = (1, 8, 32)
+
+
+def _rel(x, ref) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
+
+
+def _grads(params) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1).double() for p in params])
+
+
+def _run_whole(model, x, gy):
+    _, _, whole = cap.wrap(model)
+    params = cap.block_params(model)
+    for p in params:
+        p.grad = None
+    leaf = x.to(next(model.parameters()).dtype).clone().requires_grad_()
+    out = whole(leaf)
+    out.backward(gy.to(out.dtype))
+    return out.detach(), leaf.grad, _grads(params)
+
+
+def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "cudnn"):
+    cap.use_kernel(kernel)
+    layers, ctx, _ = cap.wrap(model)
+    params = cap.block_params(model)
+    dtype = params[0].dtype
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights)
+    ins = [x[:, a:a + l].to(dtype) for a, l in run.offsets]
+    gs = [gy[:, a:a + l].to(dtype) for a, l in run.offsets]
+    if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
+        run.graphs.zero_grads()
+    outs, in_grads = run.step(ins, gs)
+    run.close()
+    cap.use_kernel("cudnn")
+    return torch.cat([o.detach() for o in outs], 1), torch.cat(in_grads, 1), _grads(params)
+
+
+def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8) -> dict:
+    """Errors against float64 HF of HF and the sliced layers, fp32 and ``low_dtype``."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    spec = (*spec[:-1], seq_len)
+    base = cap.build_model(*spec, device, torch.float64)
+    hidden = spec[1]
+    x = torch.randn(1, seq_len, hidden, device=device, dtype=torch.float64)
+    gy = torch.randn_like(x)
+    ref = _run_whole(base, x, gy)
+    rows = []
+    for dtype in dict.fromkeys([torch.float32, low_dtype]):
+        model = copy.deepcopy(base).to(dtype)
+        variants = [("hf whole", lambda: _run_whole(model, x, gy)),
+                    (f"{slices} slices eager", lambda: _run_sliced(model, x, gy, slices, False))]
+        if device.type == "cuda":
+            variants += [(f"{slices} slices captured, {w}, {k}", lambda w=w, k=k: _run_sliced(model, x, gy, slices,
+                                                                                             True, w, k))
+                         for captured, w, k in cap.variants(device) if captured]
+        else:   # the deferred weight gradients' paths, eagerly
+            variants += [(f"{slices} slices eager, {w}", lambda w=w: _run_sliced(model, x, gy, slices, False, w))
+                         for w in cap.WEIGHT_MODES[1:]]
+        for name, run in variants:
+            got = run()
+            errors = [_rel(a, b) for a, b in zip(got, ref)]
+            rows.append({"dtype": str(dtype)[6:], "variant": name, "output": errors[0], "input_grad": errors[1],
+                         "weight_grads": errors[2], "worst": max(errors)})
+        del model
+    for row in rows:
+        hf = next(r["worst"] for r in rows if r["dtype"] == row["dtype"] and r["variant"] == "hf whole")
+        row["passed"] = row["worst"] <= 2 * hf + (1e-6 if row["dtype"] == "float32" else 0.0)
+    return {"seq_len": seq_len, "slices": slices, "rows": rows, "passed": all(r["passed"] for r in rows)}
+
+
+def plan(samples, hidden: int, seq_len: int, stages: int = 2, granularity: int = 64) -> dict:
+    """The DP's plan for batch 1 on ``stages`` stages from the captured per-slice samples."""
+    from tp_trainer.planner.cost_model import StageCost
+    from tp_trainer.planner.dp import plan_batch
+    cost = StageCost.from_samples(samples, hidden)
+    chosen = plan_batch(cost.total, seq_len, 1, stages, granularity, microbatch_sizes=[1])
+    return {"stages": stages, "batch": 1, "slices": list(chosen.slices[0]), "count": len(chosen.slices[0]),
+            "predicted_ms": chosen.predicted_time * 1e3, "fit_heldout": cost.heldout, "points": len(samples),
+            "cost": cost}
+
+
+def simulate(cost, seq_len: int, whole_hf_ms: float, whole_captured_ms: float | None, granularity: int = 64):
+    """Simulated step times (ms) of TeraPipe's plan and of 1F1B on whole sequences."""
+    from tp_trainer.planner.dp import plan_batch
+    rows = []
+    for stages in (2, 4, 8):
+        for batch in (1, 4):
+            chosen = plan_batch(cost.total, seq_len, batch, stages, granularity, microbatch_sizes=[1])
+            one_f_one_b = (batch + stages - 1) * whole_hf_ms
+            rows.append({"stages": stages, "batch": batch, "terapipe_ms": chosen.predicted_time * 1e3,
+                         "terapipe_slices": len(chosen.slices[0]), "1f1b_hf_ms": one_f_one_b,
+                         "1f1b_captured_ms": None if whole_captured_ms is None
+                         else (batch + stages - 1) * whole_captured_ms,
+                         "speedup_vs_1f1b_hf": one_f_one_b / (chosen.predicted_time * 1e3)})
+    return rows
+
+
+def run(device, quick: bool, log, keep=None) -> dict:
+    """The whole slice step; every part's failure is recorded with its traceback, not raised."""
+    gpu = device.type == "cuda"
+    sets = cap.SETS if gpu else cap.CPU_SETS
+    dtype = torch.bfloat16 if gpu else torch.float32
+    counts = QUICK_COUNTS if quick else SLICE_COUNTS
+    if not gpu:
+        counts = tuple(c for c in counts if c <= 8)
+    out = {"dtype": str(dtype)[6:], "slice_cost": [], "attention_kernels": {}, "attention_bytes_per_slice": {},
+           "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
+    for label, spec in sets.items():
+        try:
+            exact_len = min(spec[-1], 1024)
+            out["exactness"][label] = exactness(spec, device, dtype, exact_len)
+            log(f"{label}: exactness at seq {exact_len}: {'passed' if out['exactness'][label]['passed'] else 'FAILED'}")
+            measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log)
+            out["slice_cost"] += measured["records"]
+            out["attention_kernels"][label] = measured["attention_kernels"]
+            out["attention_bytes_per_slice"][label] = measured["attention_bytes_per_slice"]
+            whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
+                                   if r["mode"] == "captured" and r["weight_grads"] == "in B"
+                                   and r["attention"] == "cudnn"), None)
+            for weights, samples in measured["samples"].items():
+                chosen = plan(samples, spec[1], spec[-1])
+                cost = chosen.pop("cost")
+                out["plan"][f"{label}, {weights}"] = chosen
+                if weights == "in B":
+                    out["simulated"][label] = simulate(cost, spec[-1], measured["whole_hf_ms"], whole_captured)
+                log(f"{label} ({weights}): DP plan for 2 stages, batch 1: {chosen['count']} slices {chosen['slices']}")
+            out.setdefault("profiles", {})[label] = measured["profiles"]
+            if measured["failures"]:
+                out["errors"][f"{label} (variants)"] = "\n".join(measured["failures"])
+        except Exception:  # noqa: BLE001 -- a lent GPU's minutes are not lost to one failing set
+            out["errors"][label] = traceback.format_exc()[-3000:]
+            log(f"{label}: FAILED\n{out['errors'][label]}")
+        cap._free(device)
+        if keep is not None:   # what was measured so far, should a later set not finish
+            keep(out)
+    return out
+
+
+def _cell(value, fmt="{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(result: dict, device_name: str) -> str:
+    """The report's section for the slice step."""
+    lines = [f"## Slices on {device_name}: eager against captured ({result['dtype']})", "",
+             "Forward + backward of the block set on one sequence cut into S uniform slices (batch 1), device "
+             "time per step (median). whole HF: HF's blocks on the whole sequence, eager (what DeepSpeed's "
+             "pipeline runs); whole captured: the same sequence as one slice through the same capture.", ""]
+    for label in dict.fromkeys(r["model"] for r in result["slice_cost"]):
+        recs = [r for r in result["slice_cost"] if r["model"] == label]
+        by = {(r["mode"], f"{r['weight_grads']}, {r['attention']}", r["slices"]): r for r in recs}
+        variants = list(dict.fromkeys((r["mode"], f"{r['weight_grads']}, {r['attention']}") for r in recs))
+        lines += [f"**{label}**, seq {recs[0]['seq_len']}: whole HF {recs[0]['whole_hf_ms']:.2f} ms. Each cell: ms, "
+                  "then / the same variant on the whole sequence (1 slice), then / whole HF.", "",
+                  "| slices | " + " | ".join(f"{m} ({w})" for m, w in variants) + " |",
+                  "|---|" + "---|" * len(variants)]
+        for s in sorted({r["slices"] for r in recs}):
+            cells = []
+            for m, w in variants:
+                r = by.get((m, w, s))
+                cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(r['whole_captured_ms'] and r['ms'] / r['whole_captured_ms'])} / {r['ms'] / r['whole_hf_ms']:.2f}")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for label, kernels in result["attention_kernels"].items():
+        lines.append(f"Attention kernels, {label}: {kernels}")
+    for label, mem in result["attention_bytes_per_slice"].items():
+        if not mem:
+            continue
+        lines += ["", f"Attention memory of one layer, {label}, slice of {mem['slice_tokens']} tokens (MiB kept "
+                  "for backward / transient peak):", "",
+                  "| context | slice path (cuDNN split) | slice path (flash) | SDPA with the slice's mask |",
+                  "|---|---|---|---|"]
+        for c, *cells in zip(mem["contexts"], mem["slice_path"], mem["slice_path_flash"], mem["mask_path"]):
+            lines.append(f"| {c} | " + " | ".join(f"{a['kept'] / 2**20:.1f} / {a['peak'] / 2**20:.1f}"
+                                                  for a in cells) + " |")
+    for label, ex in result["exactness"].items():
+        lines += ["", f"Exactness, {label}, seq {ex['seq_len']}, against HF in float64 (relative error; passes at "
+                  f"most 2x HF's own): **{'passed' if ex['passed'] else 'FAILED'}**", "",
+                  "| dtype | variant | output | input grad | weight grads | passed |", "|---|---|---|---|---|---|"]
+        for r in ex["rows"]:
+            lines.append(f"| {r['dtype']} | {r['variant']} | {r['output']:.2e} | {r['input_grad']:.2e} | "
+                         f"{r['weight_grads']:.2e} | {r['passed']} |")
+    for label, prof in result.get("profiles", {}).items():
+        for name, found in prof.items():
+            if found:
+                lines += ["", f"Kernels, {label}, {name}: {found['calls']} launches, {found['device_ms']:.2f} ms of "
+                          "device time; the longest (device ms, calls):", ""]
+                lines += [f"- {ms:.2f} ms x{n}: `{k[:110]}`" for k, ms, n in found["top"][:8]]
+    for label, p in result["plan"].items():
+        lines += ["", f"DP on the captured costs, {label}: {p['count']} slices {p['slices']} for {p['stages']} stages, "
+                  f"batch 1, predicted {p['predicted_ms']:.2f} ms ({p['points']} samples, held-out error mean "
+                  f"{p['fit_heldout'].get('mean', float('nan')):.1%})."]
+    for label, rows in result["simulated"].items():
+        lines += ["", f"Simulated (from the measured costs, not run), {label}: each stage this block set.", "",
+                  "| stages | batch | TeraPipe ms (slices) | 1F1B whole HF ms | 1F1B whole captured ms | speed-up vs 1F1B HF |",
+                  "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['stages']} | {r['batch']} | {r['terapipe_ms']:.2f} ({r['terapipe_slices']}) | "
+                         f"{r['1f1b_hf_ms']:.2f} | {_cell(r['1f1b_captured_ms'])} | {r['speedup_vs_1f1b_hf']:.2f} |")
+    for label, err in result["errors"].items():
+        lines += ["", f"**{label} failed**:", "", "```", err.strip(), "```"]
+    return "\n".join(lines) + "\n"

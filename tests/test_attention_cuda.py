@@ -1,0 +1,54 @@
+"""attention_cuda.SplitAttention: the slice's attention split at the context boundary and joined by
+log-sum-exp (what runs with cuDNN on a GPU) is exact, forward and backward, here with the CPU
+flash kernel in float64 (the same math; only the kernels differ on CUDA)."""
+
+import pytest
+import torch
+
+from tp_trainer.model.attention_cuda import CPU_FLASH, SplitAttention, cuda_path, use_kernel
+
+
+def reference(q, k, v, start, scale):
+    """Masked softmax attention of queries at positions start.. over keys 0..start+l-1, GQA by repeat."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    length = q.shape[2]
+    allowed = torch.arange(k.shape[2])[None] <= torch.arange(start, start + length)[:, None]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("start,length,heads,kv_heads", [(0, 5, 4, 4), (7, 5, 4, 2), (16, 3, 6, 3), (9, 9, 2, 1)])
+def test_split_attention_exact(start, length, heads, kv_heads):
+    torch.manual_seed(start + length)
+    q = torch.randn(2, heads, length, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, start + length, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    grad = torch.randn(2, heads, length, 8, dtype=torch.float64)
+    scale = 8 ** -0.5
+    out = SplitAttention.apply(q, k, v, start, scale, CPU_FLASH)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref_out = reference(q, k, v, start, scale)
+    want = torch.autograd.grad(ref_out, (q, k, v), grad)
+    assert torch.allclose(out, ref_out, rtol=0, atol=1e-12)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-11)
+
+
+def test_split_attention_join_matters():
+    """The check above can fail: dropping the context part's weight gives another output."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 10, 8, dtype=torch.float64)
+    v = torch.randn_like(k)
+    own_only = SplitAttention.apply(q, k[:, :, 6:], v[:, :, 6:], 0, 8 ** -0.5, CPU_FLASH)
+    assert not torch.allclose(own_only, reference(q, k, v, 6, 8 ** -0.5), atol=1e-3)
+
+
+def test_cuda_path_needs_cuda_and_half_precision():
+    from tp_trainer.model.attention import SliceSpan
+    q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
+    assert not cuda_path(q, k, SliceSpan(6, 4), 0.0, {})   # a CPU tensor takes the CPU path
+    with pytest.raises(ValueError, match="cudnn or flash"):
+        use_kernel("triton")

@@ -1,0 +1,148 @@
+"""A slice's attention over the cache on CUDA (fp16 / bf16): no mask built or saved, K/V never repeated.
+
+Slice [c, c + l) attends to keys [0, c + l): query i (position c + i) sees keys <= c + i, i.e. causal
+aligned bottom-right. Two kernels do that without a mask:
+
+- ``flash``: ``aten::_flash_attention_forward`` (PyTorch's FlashAttention-2) with ``is_causal``,
+  which aligns the diagonal bottom-right when the query is shorter than the keys; it takes the
+  cache's K/V views as they are (last dimension contiguous), fewer K/V heads than query heads, and a
+  sliding window as ``window_size_left`` = window - 1. Its own autograd formula does the backward.
+- ``cudnn`` (the default where it runs): cuDNN's attention is faster on Hopper (one H100, Llama
+  7B-width layers at 8192 tokens: forward 1.8 vs 3.8 ms, backward 5.0 vs 9.7 ms for two layers,
+  ``benchmarks/results/gpu/h100``) but its causal mask is aligned top-left. So the slice's attention
+  is split at the context boundary (``SplitAttention``): the context part [0, c) unmasked, the own
+  part [c, c + l) causal (square, where both alignments agree), joined by their log-sum-exp; each
+  part's backward runs with the joint output and log-sum-exp, which gives the exact gradients (as
+  ring attention does). The context's K/V gradient and the own part's come out separately.
+A window (Mistral, Qwen2's sliding layers) takes ``flash``. ``TP_SLICE_ATTENTION=flash|cudnn``
+forces one; a cuDNN failure (an old cuDNN, an unsupported shape) switches to ``flash`` for the rest
+of the process, once, with a warning. Saved for backward either way: q, the output and the
+log-sum-exp (O(l)) and the K/V views (no copy).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+_FLASH = torch.ops.aten._flash_attention_forward
+_CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "cudnn")}
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One attention library's dense forward and backward, (b, h, l, d) layout:
+    ``forward(q, k, v, causal, scale) -> (out, lse, state)``;
+    ``backward(dout, q, k, v, out, lse, state, causal, scale) -> (dq, dk, dv)``."""
+
+    forward: Callable
+    backward: Callable
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return r[0], r[1], (r[6], r[7])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, state, causal, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, state[0], state[1], None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+
+
+def _cpu_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _cpu_backward(dout, q, k, v, out, lse, state, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                              scale=scale)
+
+
+CUDNN = Kernels(_cudnn_forward, _cudnn_backward)
+CPU_FLASH = Kernels(_cpu_forward, _cpu_backward)   # the same split on a CPU: what the tests check
+
+
+class SplitAttention(torch.autograd.Function):
+    """softmax(q [K_ctx | K_own]^T) [V_ctx | V_own] of one slice as two attentions joined by their
+    log-sum-exp: q (b, h, l, d); keys / values (b, g, c + l, d); returns (b, h, l, d)."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, start: int, scale, kernels: Kernels):
+        parts = [(keys[:, :, start:], values[:, :, start:], True)]
+        if start:
+            parts.insert(0, (keys[:, :, :start], values[:, :, :start], False))
+        results = [kernels.forward(query, k, v, causal, scale) for k, v, causal in parts]
+        if len(results) == 1:
+            out, lse, state = results[0]
+            lses = [lse]
+        else:
+            shape = query.shape[:3]
+            (out_a, lse_a, _), (out_b, lse_b, _) = results
+            wide = torch.promote_types(lse_a.dtype, torch.float32)
+            la, lb = lse_a.reshape(shape).to(wide), lse_b.reshape(shape).to(wide)
+            joint = torch.logaddexp(la, lb)
+            out = (out_a * torch.exp(la - joint)[..., None] + out_b * torch.exp(lb - joint)[..., None]).to(query.dtype)
+            lses = [joint.reshape(lse_a.shape).to(lse_a.dtype), joint.reshape(lse_b.shape).to(lse_b.dtype)]
+        out = out.contiguous()
+        ctx.save_for_backward(query, keys, values, out, *lses)
+        ctx.states = [r[2] for r in results]
+        ctx.start, ctx.scale, ctx.kernels = start, scale, kernels
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, keys, values, out, *lses = ctx.saved_tensors
+        start, dout = ctx.start, grad_out.contiguous()
+        parts = [(keys[:, :, start:], values[:, :, start:], True)]
+        if start:
+            parts.insert(0, (keys[:, :, :start], values[:, :, :start], False))
+        grads = [ctx.kernels.backward(dout, query, k, v, out, lse, state, causal, ctx.scale)
+                 for (k, v, causal), lse, state in zip(parts, lses, ctx.states)]
+        if len(grads) == 1:
+            return (*grads[0], None, None, None)
+        (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
+        return dq_a + dq_b, torch.cat([dk_a, dk_b], 2), torch.cat([dv_a, dv_b], 2), None, None, None
+
+
+def cuda_path(query, key, span, dropout: float, kwargs) -> bool:
+    """Whether ``slice_attention_cuda`` applies: CUDA, fp16 / bf16, head size a multiple of 8 up to
+    256, no dropout, softcap or position bias."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0
+            and query.shape[-1] <= 256 and not dropout and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)
+            and key.shape[2] == span.start + span.length and query.shape[2] == span.length
+            and query.shape[1] % key.shape[1] == 0 and query.shape[-1] == key.shape[-1])
+
+
+def kernel_in_use() -> str:
+    """"cudnn" or "flash": what an unwindowed slice runs now."""
+    return _CHOICE["kernel"]
+
+
+def use_kernel(name: str) -> None:
+    """Choose "cudnn" or "flash" for the slices that follow (benchmarks, debugging)."""
+    if name not in ("cudnn", "flash"):
+        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose cudnn or flash")
+    _CHOICE["kernel"] = name
+
+
+def slice_attention_cuda(query, keys, values, span, scale) -> torch.Tensor:
+    """The slice's attention, (b, l, heads, d): q (b, h, l, d), keys / values (b, g, c + l, d) the
+    slice cache's views."""
+    if _CHOICE["kernel"] == "cudnn" and not span.windowed:
+        try:
+            return SplitAttention.apply(query, keys, values, span.start, scale, CUDNN).transpose(1, 2)
+        except RuntimeError as err:
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            warnings.warn(f"cuDNN attention failed on a slice ({str(err).splitlines()[0][:200]}); "
+                          "slices use the flash kernel from now on")
+            _CHOICE["kernel"] = "flash"
+    window = {"window_size_left": span.window - 1} if span.windowed else {}
+    return _FLASH(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None,
+                  span.length, keys.shape[2], 0.0, True, False, scale=scale, **window)[0]
