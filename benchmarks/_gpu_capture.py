@@ -6,7 +6,7 @@ Block sets (bf16 on a GPU, fp32 on a CPU):
 For each: one sequence (batch 1) as S uniform slices, S = 1 .. 32, forwards in order then backwards
 in reverse, through the pipeline's own layers (``DecoderBlock`` over a ``SliceContext``; on CUDA in
 bf16 the slices attend through the flash kernel, ``attention.flash_slice_attention``):
-  eager     the layers run slice by slice from Python, as the engine runs them today;
+  eager     the layers run slice by slice from Python, as the engine runs them;
   captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``).
 Against ``whole_hf_ms`` (HF's blocks on the whole sequence, eager: what DeepSpeed's own pipeline
 runs) and ``whole_captured_ms`` (the whole sequence as one slice through the same capture: what
@@ -94,9 +94,9 @@ WEIGHT_MODES = ("in B", "W per slice", "W per sequence")
 def variants(device) -> list[tuple[bool, str, str]]:
     """(captured, weight gradients, attention kernel) of each timed variant."""
     if device.type != "cuda":
-        return [(False, "in B", "cudnn")]
-    return ([(False, "in B", "cudnn")] + [(True, w, "cudnn") for w in WEIGHT_MODES]
-            + [(True, "W per sequence", "flash")])
+        return [(False, "in B", "auto")]
+    return ([(False, "in B", "auto")] + [(True, w, "cudnn") for w in WEIGHT_MODES]
+            + [(True, "W per sequence", "flash"), (True, "W per sequence", "auto")])
 
 
 class SlicedRun:
@@ -225,7 +225,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
             run.close()
             del run
             _free(device)
-    use_kernel("cudnn")
+    use_kernel("auto")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
         one = [o["ms"] for o in records if (o["mode"], o["weight_grads"], o["attention"], o["slices"]) ==
                (r["mode"], r["weight_grads"], r["attention"], 1)]
@@ -319,7 +319,7 @@ def _flash_call(module, query, keys, values, span):
     try:
         return slice_attention_forward(module, query, keys, values, span)
     finally:
-        use_kernel("cudnn")
+        use_kernel("auto")
 
 
 def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype) -> dict:

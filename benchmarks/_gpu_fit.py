@@ -1,4 +1,4 @@
-"""Step 5 of gpu_check.py: fit the analytic device model (planner/analytic.py) to measurements.
+"""Step 5 of gpu_check.py: fit the analytic device model (benchmarks/analytic.py) to measurements.
 
 The analytic model prices one GPT block (mp = 1, forward + backward = 3 x forward) as
 
@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from tp_trainer.planner.analytic import V100_P3_16XLARGE, DeviceSpec, layer_coefficients
+from analytic import V100_P3_16XLARGE, DeviceSpec, layer_coefficients
 from tp_trainer.planner.cost_model import features, nnls
 
 INF = float("inf")

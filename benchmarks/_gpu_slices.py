@@ -46,7 +46,7 @@ def _run_whole(model, x, gy):
     return out.detach(), leaf.grad, _grads(params)
 
 
-def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "cudnn"):
+def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto"):
     cap.use_kernel(kernel)
     layers, ctx, _ = cap.wrap(model)
     params = cap.block_params(model)
@@ -60,7 +60,7 @@ def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B"
         run.graphs.zero_grads()
     outs, in_grads = run.step(ins, gs)
     run.close()
-    cap.use_kernel("cudnn")
+    cap.use_kernel("auto")
     return torch.cat([o.detach() for o in outs], 1), torch.cat(in_grads, 1), _grads(params)
 
 
@@ -198,7 +198,7 @@ def markdown(result: dict, device_name: str) -> str:
             continue
         lines += ["", f"Attention memory of one layer, {label}, slice of {mem['slice_tokens']} tokens (MiB kept "
                   "for backward / transient peak):", "",
-                  "| context | slice path (cuDNN split) | slice path (flash) | SDPA with the slice's mask |",
+                  "| context | slice path (default kernel) | slice path (flash) | SDPA with the slice's mask |",
                   "|---|---|---|---|"]
         for c, *cells in zip(mem["contexts"], mem["slice_path"], mem["slice_path_flash"], mem["mask_path"]):
             lines.append(f"| {c} | " + " | ".join(f"{a['kept'] / 2**20:.1f} / {a['peak'] / 2**20:.1f}"

@@ -142,7 +142,7 @@ def multi_gpu_runs(gpus: int, out_dir: str) -> list[dict]:
         out = os.path.join(out_dir, "long_context")
         runs.append(_run("long_context.py", [sys.executable, long_context, "--out", out], out + ".md"))
     else:
-        runs.append(skipped("long_context.py", "benchmarks/long_context.py is not in this checkout (issue 12)"))
+        runs.append(skipped("long_context.py", "benchmarks/long_context.py is not in this checkout"))
     return runs
 
 

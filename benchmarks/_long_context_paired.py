@@ -1,7 +1,7 @@
 """(a) and (c) at one length in ONE pair of ranks, taking turns step by step (long_context.py).
 
 The sweep times each variant in its own pair of ranks, minutes apart, so the load of the moment
-enters the (c)/(a) ratio (sessions 6-7: 1.18 to 1.72 between runs of the same code). Here both
+enters the (c)/(a) ratio (1.18 to 1.72 between sweeps of the same code). Here both
 engines are built in one pair (c from the cost file its sweep wrote: the same plan), and they take
 turns: barrier, one step of each, the order rotating. A step lasts until its slowest rank is done.
 The figure is the median over steps of (a)'s step / (c)'s step of the same round.

@@ -67,7 +67,7 @@ def row_at(result: dict, length: int):
 
 
 def goals(results: dict, batch: int, paired: dict | None = None) -> list[tuple[str, bool | None, str]]:
-    """The issue's goals for one model: (goal, met (None: not measurable here), figures). ``paired``:
+    """The goals for one model: (goal, met (None: not measurable here), figures). ``paired``:
     (a) and (c) taking turns at their longest common length (``_long_context_paired.py``), which
     then decides the (c)/(a) goal."""
     out = []

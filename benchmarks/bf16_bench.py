@@ -1,4 +1,4 @@
-"""bf16 converges like fp32: loss after N steps on the embedded corpus, bf16 vs fp32 (issue 5).
+"""bf16 converges like fp32: loss after N steps on the embedded corpus, bf16 vs fp32.
 
     python benchmarks/bf16_bench.py [--steps 30] [--n_layer 2] [--n_embd 64] [--n_head 4] [--seq_len 128]
                                     [--slices uniform:4] [--microbatch 4] [--microbatches 4] [--lr 3e-3]

@@ -1,4 +1,4 @@
-"""Plain DeepSpeed pipeline vs TeraPipe (uniform and DP slices) vs one process (issues 6, 13).
+"""Plain DeepSpeed pipeline vs TeraPipe (uniform and DP slices) vs one process.
 
     python benchmarks/compare.py [--stages 2] [--batch 1] [--seq_len 1024] [--n_layer 6] [--n_embd 256]
                                  [--uniform 2,4,8,16] [--steps 10] [--warmup 2] [--budget 35] [--runs 3]
@@ -303,7 +303,7 @@ def main() -> None:
                    help="leave every rank on every core (terapipe.bind_cores false): the launcher's default")
     p.add_argument("--runs", type=int, default=3, help="fresh process pairs; figures are medians over runs")
     p.add_argument("--goal", type=float, default=None,
-                   help="(c)/(a) goal; default issue 13's for the case: 1.8, 1.85 for 8 x 512, 1.3 with batch >= 4")
+                   help="(c)/(a) goal; default per case: 1.8, 1.85 for 8 x 512, 1.3 with batch >= 4, 1.9 at 8k")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compare"))
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()

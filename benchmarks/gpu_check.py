@@ -1,26 +1,31 @@
-"""One command that checks the GPU path and calibrates the cost models (issue 15).
+"""One command that checks the GPU path, measures what slicing costs there, and calibrates the cost models.
 
-    python benchmarks/gpu_check.py [--device auto|cpu] [--sizes small|full] [--out DIR] [--budget S]
+    python benchmarks/gpu_check.py [--device auto|cpu] [--steps engine,slices,calibration,multi] [--quick]
+                                   [--sizes small|full] [--out DIR] [--budget S]
     bash scripts/gpu_check.sh [same flags]       # sets up .venv with a CUDA torch first
 
 Steps (each result says which device it ran on; a step that cannot run here says why):
-  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
+  slices  (first: the figures a lent GPU is wanted for; ``_gpu_slices.py`` / ``_gpu_capture.py``)
+     per-slice cost of decoder blocks, bf16, eager against captured (per-unit CUDA graphs,
+     ``tp_trainer/model/capture.py``) with three placements of the weight gradients and two
+     attention kernels: GPT-2 medium blocks at seq 2048 and a Llama pair of 7B width at seq 8192, 1 to
+     32 slices, against HF's blocks on the whole sequence; the attention kernels a slice runs and its
+     attention memory against its context; exactness against float64; the planner's DP on the
+     measured costs; simulated pipelines of 2, 4 and 8 stages. On a CPU: two tiny sets, eager only.
+     ``--quick``: this step only, at 1, 8 and 32 slices (about 3 minutes on an H100).
+  engine  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
      harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;
-  2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
-     forced overflow is skipped, the scale drops, no NaN reaches the weights;
-  3. bf16 likewise (no loss scale; the overflow step is skipped by the bf16 optimizer);
-  4. per-slice cost t(len, ctx) of GPT-2 blocks (small and medium on a GPU; one small width on a
-     CPU) over the planner's profiling grid, and the cost of slicing one sequence into 1..64
-     slices against the plain HF blocks, eager and (GPU) compiled;
-  5. the analytic device model of benchmarks/paper_sim.py fitted to step 4 (achieved fraction of
-     peak, n_1/2, per-kernel overhead, HBM), and the paper-scale table rerun with the measured
-     preset beside the V100 one;
-  2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048, and the
-     long-context benchmark where present.
-Steps 1-3 and the multi-GPU runs need CUDA; without it they are reported as skipped, and steps
-4-5 run on the CPU at small sizes (about 40 s here; tests/test_gpu_check.py runs a smaller one).
-Writes DIR/gpu_check.{md,json} and DIR/cost_curve.png (default benchmarks/results/gpu/, or
-benchmarks/results/gpu/cpu/ on a CPU).
+     2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
+     forced overflow is skipped, the scale drops, no NaN reaches the weights; 3. bf16 likewise.
+  calibration  4. per-slice cost t(len, ctx) of GPT-2 blocks (small and medium on a GPU; one small
+     width on a CPU) over the planner's profiling grid, and the cost of slicing one sequence into
+     1..64 slices against the plain HF blocks; 5. the analytic device model of
+     benchmarks/paper_sim.py fitted to step 4, and the paper-scale table rerun with it.
+  multi   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048.
+The engine and multi-GPU steps need CUDA; without it they are reported as skipped.
+Writes DIR/gpu_check.{md,json} (the slice step's records at the JSON's top level: ``slice_cost``,
+``attention_kernels``, ``attention_bytes_per_slice``, ...) and, with steps 4-5, DIR/cost_curve.png
+(default benchmarks/results/gpu/, or benchmarks/results/gpu/cpu/ on a CPU).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Memory and speed against sequence length: DeepSpeed's pipeline vs TeraPipe (issue 12, section 1).
+"""Memory and speed against sequence length: DeepSpeed's pipeline vs TeraPipe.
 
     python benchmarks/long_context.py [--quick] [--models llama,gpt2] [--variants a,a_ckpt,c,e]
                                       [--mem_cap_gib 2] [--start 2048] [--max_len 65536] [--steps 3]

@@ -1,4 +1,4 @@
-"""Peak activation memory and step time of the "gpipe" and "1f1b" orders (issue 5).
+"""Peak activation memory and step time of the "gpipe" and "1f1b" orders.
 
     python benchmarks/memory_bench.py [--config_name gpt2-tiny] [--seq_len 1024] [--slices uniform:8]
                                       [--microbatches 4] [--memory_steps 3] [--steps 16] [--out PREFIX]

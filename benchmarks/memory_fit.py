@@ -1,5 +1,5 @@
 """Predicted peak memory against measured, per stage, for plans the memory-aware planner can pick
-(issue 12, section 2: "predicted peak memory within 10% of measured").
+(goal: predicted peak memory within 10% of measured).
 
     python benchmarks/memory_fit.py [--family llama|gpt2] [--lengths 2048,4096] [--plans SPEC,...]
                                     [--steps 2] [--budget 5] [--out benchmarks/results/memory_fit]

@@ -2,7 +2,7 @@
 
     python benchmarks/paper_sim.py [--granularity 16] [--out benchmarks/results/paper_sim]
 
-No GPU and no measurement: ``tp_trainer.planner.analytic`` prices every unit from FLOPs, bytes and
+No GPU and no measurement: ``analytic.py`` (beside this file) prices every unit from FLOPs, bytes and
 the V100 / p3.16xlarge device preset, ``dp.plan_batch`` plans, ``predict.predict_time`` simulates
 the GPipe schedule (messages and optimizer step included). Per setting (batch per data-parallel
 replica B, tensor-model-parallel degree mp, pipeline stages K, as listed by the reference code
@@ -28,8 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import ROOT, write_results
+from analytic import V100_P3_16XLARGE, analytic_cost
 
-from tp_trainer.planner.analytic import V100_P3_16XLARGE, analytic_cost
 from tp_trainer.planner.dp import plan_batch
 from tp_trainer.planner.predict import predict_time
 

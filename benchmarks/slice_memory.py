@@ -1,4 +1,4 @@
-"""Memory of the slice path against sequence length (issue 12 section 1), before and after.
+"""Memory of the slice path against sequence length, before and after.
 
     python benchmarks/slice_memory.py [--baseline REV] [--lengths 4096,8192,16384] [--slices 16]
                                       [--models gpt2,llama] [--json FILE]
@@ -29,7 +29,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import extract_package  # noqa: E402
-BASELINE = "2352d8e"  # before issue 12's attention fix (HF's masked SDPA per slice)
+BASELINE = "2352d8e"  # the slice path with HF's masked SDPA per slice (before model/attention.py)
 
 
 def model(name: str, positions: int):

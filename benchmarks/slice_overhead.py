@@ -1,4 +1,4 @@
-"""Per-slice overhead of the slice path (issue 13 section 3), before and after, in one run.
+"""Per-slice overhead of the slice path, before and after, in one run.
 
     python benchmarks/slice_overhead.py [--baseline REV] [--slices 8,32] [--rounds 2] [--reps 2] [--json FILE]
 
@@ -45,7 +45,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import extract_package  # noqa: E402
-BASELINE = "2352d8e"  # the slice path before issue 13 section 3 (masks per slice, HF's masked SDPA)
+BASELINE = "2352d8e"  # the slice path with masks per slice and HF's masked SDPA
 CATEGORIES = ("matmul", "attention", "mask+pos", "K/V", "CE", "grad acc", "other ops", "python")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 MASK_OPS = {"aten::tril", "aten::triu", "aten::ones", "aten::arange", "aten::where", "aten::masked_fill",

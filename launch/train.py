@@ -17,45 +17,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deepspeed  # noqa: E402
 
 from tp_trainer.failures import leave  # noqa: E402
-from tp_trainer.run import RunArgs, run  # noqa: E402
+from tp_trainer.run import run  # noqa: E402
+from tp_trainer.run_args import RunArgs, add_arguments  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``RunArgs`` (tp_trainer/run_args.py: names, defaults, help), the launcher's
+    --local_rank and DeepSpeed's own (--deepspeed_config among them)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups = add_arguments(parser)
+    groups["training"].add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return deepspeed.add_config_arguments(parser)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument("--model_name_or_path", help="HF checkpoint: hub id or local save_pretrained directory")
-    model.add_argument("--config_name", default="gpt2-tiny", help="preset for random init (see tp_trainer/model/presets.py)")
-    model.add_argument("--tokenizer_name", help="HF tokenizer (hub id or local dir); default: the embedded BPE")
-    model.add_argument("--rope_scaling", help="rotary models: HF's rope_scaling as JSON, e.g. "
-                       "'{\"rope_type\": \"yarn\", \"factor\": 4.0}' (also linear, llama3), to fine-tune at "
-                       "--block_size beyond the checkpoint's positions; replaces its config.json's rope_parameters")
-    data = parser.add_argument_group("data")
-    data.add_argument("--dataset_name", help="hub dataset name")
-    data.add_argument("--dataset_config_name", help="hub dataset config")
-    data.add_argument("--train_file", help="local .txt/.json/.jsonl/.csv/.parquet file")
-    data.add_argument("--validation_file", help="local validation file (same formats); also with the embedded "
-                      "corpus or --dataset_name, whose validation part it replaces")
-    data.add_argument("--text_column", default="text", help="json/csv/parquet/hub column holding the text (default text)")
-    data.add_argument("--block_size", type=int, help="sequence length; overrides terapipe.seq_len")
-    train = parser.add_argument_group("training")
-    train.add_argument("--max_steps", type=int, default=30, help="optimizer steps to run (default 30)")
-    train.add_argument("--eval_interval", type=int, default=10, help="evaluate every N steps (and at the end)")
-    train.add_argument("--eval_batches", type=int, default=4, help="batches per evaluation")
-    train.add_argument("--no_save_hf", dest="save_hf", action="store_false",
-                       help="do not write the trained model as a Hugging Face directory at the end")
-    train.add_argument("--save_interval", type=int, help="DeepSpeed checkpoint every N steps and at the end")
-    train.add_argument("--resume", nargs="?", const="latest",
-                       help="continue from <output_dir>/checkpoints: 'latest' (default) or a tag such as step30")
-    train.add_argument("--reset_optimizer", action="store_true",
-                       help="with --resume: keep only the weights (fresh optimizer state and LR schedule)")
-    train.add_argument("--reset_data_position", action="store_true",
-                       help="with --resume: start the data from its first block (allows another global batch)")
-    train.add_argument("--timeline", help="PNG: measured Gantt chart of the last step beside the simulated one")
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--output_dir", default="runs/latest", help="where the plan and logs are written")
-    train.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Check the GPU path and calibrate the cost models (issue 15): benchmarks/gpu_check.py in .venv.
+# Check the GPU path and calibrate the cost models: benchmarks/gpu_check.py in .venv.
 #   bash scripts/gpu_check.sh [--device cpu] [--sizes small|full] [--out DIR] ...
 # On a machine with an NVIDIA GPU (nvidia-smi answers), .venv gets the CUDA build of the pinned
 # torch: TORCH_SPEC (default below; cu128 wheels need driver >= 570). If .venv already holds a CPU

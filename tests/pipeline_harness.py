@@ -5,7 +5,7 @@ one case through ``tp_trainer.initialize`` and return this stage's results keyed
 names. Test side: ``merge_ranks`` joins the ranks' results, ``reference`` trains the plain HF model
 in one process the same way, ``check_float64`` / ``check_float32`` measure and check the differences.
 
-Why two checks (issue 11): fp32 rounding depends on the CPU's vector kernels (ATen's
+Why two checks: fp32 rounding depends on the CPU's vector kernels (ATen's
 ``ATEN_CPU_CAPABILITY``, MKL's GEMM dispatch), and AdamW turns the rounding of tiny gradients into
 full-size updates. A fixed fp32 bound is therefore a bound on one machine's kernels, not on the
 engine. So:

@@ -5,6 +5,7 @@ import json
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAULT_HOOKS = os.path.join(REPO, "tests", "fault_hooks")
 
 
 def small_config(tmp_path) -> str:
@@ -15,3 +16,14 @@ def small_config(tmp_path) -> str:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     return str(path)
+
+
+def fault_env(env: dict, fault: str | None = None) -> dict:
+    """``env`` for launch/train.py's ranks, with ``fault`` (a TP_TEST_FAULT of
+    tests/fault_hooks/sitecustomize.py, e.g. "crash_after_save:3") injected, or with no fault."""
+    env = dict(env)
+    env.pop("TP_TEST_FAULT", None)
+    if fault:
+        paths = [FAULT_HOOKS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update(TP_TEST_FAULT=fault, PYTHONPATH=os.pathsep.join(paths))
+    return env

@@ -1,20 +1,20 @@
-"""Analytic cost model: FLOP formula, device terms, rank mapping, and plans at paper scale."""
+"""Analytic cost model (benchmarks/analytic.py): FLOP formula, device terms, rank mapping, and plans at
+paper scale."""
 
 import dataclasses
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
 
-from tp_trainer.planner.analytic import (
-    V100_P3_16XLARGE,
-    analytic_cost,
-    crosses_nodes,
-    layer_flops,
-)
 from tp_trainer.planner.cost_model import PipelineCost
 from tp_trainer.planner.dp import plan_batch
 from tp_trainer.planner.predict import predict_time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from analytic import V100_P3_16XLARGE, analytic_cost, crosses_nodes, layer_flops  # noqa: E402
 
 # only GEMM FLOPs: no launch, HBM, small-GEMM or link costs
 FLOPS_ONLY = dataclasses.replace(V100_P3_16XLARGE, half_efficiency_tokens=0.0, hbm_bandwidth=math.inf,

@@ -50,5 +50,20 @@ def test_cuda_path_needs_cuda_and_half_precision():
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
     assert not cuda_path(q, k, SliceSpan(6, 4), 0.0, {})   # a CPU tensor takes the CPU path
-    with pytest.raises(ValueError, match="cudnn or flash"):
+    with pytest.raises(ValueError, match="auto, cudnn or flash"):
         use_kernel("triton")
+
+
+def test_auto_kernel_choice():
+    """auto: cuDNN's split for slices of l x d >= 65536, flash below and for windows."""
+    from tp_trainer.model.attention import SliceSpan
+    from tp_trainer.model.attention_cuda import kernel_in_use, takes_cudnn
+    assert kernel_in_use() == "auto"
+    assert takes_cudnn(SliceSpan(0, 1024, None), 64) and takes_cudnn(SliceSpan(512, 512, None), 128)
+    assert not takes_cudnn(SliceSpan(512, 512, None), 64) and not takes_cudnn(SliceSpan(0, 256, None), 128)
+    assert not takes_cudnn(SliceSpan(4096, 1024, 256), 128)   # a window the slice's context exceeds
+    use_kernel("cudnn")
+    try:
+        assert takes_cudnn(SliceSpan(0, 16, None), 64)
+    finally:
+        use_kernel("auto")

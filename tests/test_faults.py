@@ -8,7 +8,7 @@ import time
 
 import pytest
 from multirank import free_port
-from small_run import small_config
+from small_run import fault_env, small_config
 
 from tp_trainer.run import check_finite
 
@@ -20,8 +20,8 @@ def start_ranks(tmp_path, fault: str, steps: int = 6):
     """Two ranks of launch/train.py started directly (as two single-rank launchers would)."""
     port, procs = free_port(), []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", TP_TRAINER_FAULT=fault)
+        env = fault_env(dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=str(port), OMP_NUM_THREADS="1"), fault)
         cmd = [sys.executable, "launch/train.py", "--deepspeed_config", small_config(tmp_path), "--max_steps",
                str(steps), "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
                "--output_dir", str(tmp_path / "run")]

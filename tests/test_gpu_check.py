@@ -70,8 +70,7 @@ def test_gpu_steps_reported_skipped(cpu_run):
 
 def test_fit_recovers_a_known_device():
     import _gpu_fit as gf
-
-    from tp_trainer.planner.analytic import V100_P3_16XLARGE
+    from analytic import V100_P3_16XLARGE
     truth = dataclasses.replace(V100_P3_16XLARGE, achieved_fraction=0.4, half_efficiency_tokens=96,
                                 kernel_overhead=7e-6, hbm_bandwidth=500e9)
     points = np.array([(1, l, c) for l in (8, 16, 32, 64, 128, 256, 512) for c in (0, 128, 512) if c + l <= 1024], float)

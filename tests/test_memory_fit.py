@@ -1,4 +1,4 @@
-"""A memory-planned 2-rank run (issue 12): the planner's predicted peak per stage is within 10% of the
+"""A memory-planned 2-rank run: the planner's predicted peak per stage is within 10% of the
 measured peak RSS above the rank's baseline (VmHWM after clear_refs, freed memory given back
 first: ``memory.lean_heap``), and the run stays under its memory_limit_gib. Measured on RSS (not on
 the tracked saved bytes): with the heap leaned, RSS follows the bytes in use to a page.

@@ -112,7 +112,7 @@ def train_flags(config, out):
 
 def launcher_env(port=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TP_TRAINER_FAULT", None)
+    env.pop("TP_TEST_FAULT", None)
     if port is not None:
         env["MASTER_PORT"] = str(port)
     return env

@@ -217,7 +217,7 @@ def tiny_gpt2():
 
 
 def test_profile_real_layers_leaves_model_unchanged(tmp_path):
-    from tp_trainer.planner.auto import auto_plan, auto_slices
+    from tp_trainer.planner.auto import auto_plan
     from tp_trainer.planner.cli import stage_layers
     from tp_trainer.planner.profile import profile_stage
     model = tiny_gpt2()
@@ -232,9 +232,9 @@ def test_profile_real_layers_leaves_model_unchanged(tmp_path):
     plan, text = auto_plan(layers[0], 64, 2, 1, granularity=8, time_budget_s=1.0, cost_model_path=str(path),
                            save_dir=str(out), stage_id=0, hidden=32, slice_context=ctx)
     assert path.is_file() and (out / "plan.json").is_file() and "uniform:4" in text
-    slices, predicted, _ = auto_slices(layers[0], 64, 1, 2, 1, cost_model_path=str(path), stage_id=0,
-                                       slice_context=ctx)  # reads the saved model: no profiling
-    assert sum(slices) == 64 and predicted > 0
+    plan, _ = auto_plan(layers[0], 64, 2, 1, microbatch_size=1, cost_model_path=str(path), stage_id=0,
+                        slice_context=ctx)  # reads the saved model: no profiling
+    assert tuple(plan.microbatch_sizes) == (1, 1) and sum(plan.slices[0]) == 64 and plan.predicted_time > 0
 
 
 def test_cli_plans_from_a_cost_model(tmp_path, capsys):

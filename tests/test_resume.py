@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 from multirank import free_port
-from small_run import small_config
+from small_run import fault_env, small_config
 
 from tp_trainer.config import ConfigError
 from tp_trainer.resume import resolve_resume
@@ -22,10 +22,7 @@ def train(config, out, *flags, fault=None):
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", config, "--max_steps", "6",
            "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TP_TRAINER_FAULT", None)
-    if fault:
-        env["TP_TRAINER_FAULT"] = fault
+    env = fault_env(dict(os.environ, OMP_NUM_THREADS="1"), fault)  # tests/fault_hooks/sitecustomize.py
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 

@@ -54,7 +54,7 @@ def launch(ranks: int, config: str, out, *flags) -> str:
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", config, "--output_dir", str(out), *FLAGS, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TP_TRAINER_FAULT", None)
+    env.pop("TP_TEST_FAULT", None)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]

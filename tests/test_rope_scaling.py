@@ -1,4 +1,4 @@
-"""RoPE scaling for rotary models (issue 12, section 3): ``--rope_scaling`` (HF's ``rope_scaling``
+"""RoPE scaling for rotary models: ``--rope_scaling`` (HF's ``rope_scaling``
 JSON) and a checkpoint's own ``rope_parameters`` let a Llama-style model fine-tune at
 ``--block_size`` beyond ``max_position_embeddings``; learned-position models keep their error; bad
 settings stop before any work with one message naming the field and the fix.

@@ -69,7 +69,7 @@ def test_split_by_cost_is_the_least_busiest_stage(seed, blocks, stages):
 
 
 def test_long_context_blocks_outweigh_the_head():
-    # seq 8192 (issue 12): a block costs ~2x the head, so 4 blocks go 2 + 2, not 3 + 1 as the
+    # seq 8192: a block costs ~2x the head, so 4 blocks go 2 + 2, not 3 + 1 as the
     # per-token estimate (head = vocab x hidden = 2.7 blocks of 256 wide, no attention term) puts them
     measured = [0.05, 0.0, 1.6, 1.6, 1.6, 1.6, 0.0, 0.8]
     assert split_by_cost(measured, 2, 4, PREFIX, SUFFIX).names == (

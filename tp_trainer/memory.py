@@ -97,7 +97,7 @@ def lean_heap(on: bool = True) -> bool:
     and trims its heap past 1 MiB free. Without it, freed tensor memory stays in the process
     (malloc's dynamic mmap threshold rises to 32 MiB after the first large free; freed pages are
     reused, not returned), so RSS grows step after step above the bytes held (measured: +40-100 MiB
-    per stage over a 2-step run at 2k-4k tokens, issue 12). Costs a page fault per fresh page.
+    per stage over a 2-step run at 2k-4k tokens). Costs a page fault per fresh page.
     ``on=False``: back to the thresholds the dynamic default ends at (32 MiB mmap, 64 MiB trim).
     Process-wide and lasting. False where glibc's mallopt is not there."""
     try:

@@ -68,11 +68,10 @@ def complete_tags(ckpt: str) -> list[str]:
     return sorted(t for t in os.listdir(ckpt) if os.path.isfile(os.path.join(ckpt, t, COMPLETE)))
 
 
-def save(engine, ckpt: str, step: int, samples: int, before_commit=None, config=None) -> str:
+def save(engine, ckpt: str, step: int, samples: int, config=None) -> str:
     """Collective: save step ``step`` (``samples``: global samples consumed); returns the tag.
-    ``config``: the HF config of the model (recorded for resume checks and export).
-    ``before_commit`` runs (on every rank) after the files are written and before the checkpoint
-    is marked complete (fault tests)."""
+    ``config``: the HF config of the model (recorded for resume checks and export). Every rank
+    writes its files, then ``commit`` marks the checkpoint complete."""
     from deepspeed import comm as dist
     tag = f"step{step}"
     engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
@@ -81,8 +80,16 @@ def save(engine, ckpt: str, step: int, samples: int, before_commit=None, config=
     with_layout_free = optimizer_state.supported(engine)
     if with_layout_free:
         layout_free.save(engine, tag_dir)
-    if before_commit is not None:
-        before_commit()
+    commit(engine, ckpt, tag, step, samples, config, with_layout_free)
+    return tag
+
+
+def commit(engine, ckpt: str, tag: str, step: int, samples: int, config, with_layout_free: bool) -> None:
+    """Collective, once every rank has written its files of checkpoint ``tag``: rank 0 writes the
+    manifest, marks the checkpoint complete and points ``latest`` at it. A run stopped before this
+    leaves the previous checkpoint the one resumed."""
+    from deepspeed import comm as dist
+    tag_dir = os.path.join(ckpt, tag)
     dist.barrier()
     if dist.get_rank() == 0:
         if config is not None:
@@ -92,7 +99,6 @@ def save(engine, ckpt: str, step: int, samples: int, before_commit=None, config=
         _write_atomic(os.path.join(tag_dir, COMPLETE), "")
         _write_atomic(os.path.join(ckpt, LATEST), tag)
     dist.barrier()
-    return tag
 
 
 def manifest(engine, step: int, samples: int, config, with_layout_free: bool, tag_dir: str) -> dict:

@@ -13,61 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from . import faults, resume
+from . import resume
 from .checks import RunSpec, check_validation_size, check_vocabulary, model_config, validate  # noqa: F401 (model_config: export.py)
-from .config import ConfigError
 from .data import build_lm_dataset, get_tokenizer
 from .data.sampling import step_batches
 from .engine import PipelineFailure
-from .failures import BAD_INPUT, INPUT_ERRORS, RunStopped, one_line, together
+from .failures import INPUT_ERRORS, RunStopped, stop_before_start, stop_together, together
 from .initialize import bind_rank_cores, init_process_group, initialize, launch_world_size
 from .memory import ActivationTracker, memory_report
 from .resume import checkpoint_dir
+from .run_args import RunArgs  # noqa: F401 (the tests import it from here)
 
 log = logging.getLogger("tp_trainer")
-
-
-@dataclass
-class RunArgs:
-    """Options of one training run (the command line of launch/train.py)."""
-
-    deepspeed_config: str
-    model_name_or_path: str | None = None
-    config_name: str = "gpt2-tiny"
-    tokenizer_name: str | None = None
-    dataset_name: str | None = None
-    dataset_config_name: str | None = None
-    train_file: str | None = None
-    validation_file: str | None = None
-    text_column: str = "text"
-    block_size: int | None = None
-    rope_scaling: str | None = None  # JSON of HF's rope_scaling, e.g. '{"rope_type": "yarn", "factor": 4.0}'
-    max_steps: int = 30
-    eval_interval: int = 10
-    eval_batches: int = 4
-    seed: int = 1234
-    output_dir: str = "runs/latest"
-    save_hf: bool = True
-    save_interval: int | None = None
-    resume: str | None = None
-    reset_optimizer: bool = False
-    reset_data_position: bool = False
-    timeline: str | None = None
-
-    def check(self):
-        """Flag values (checked in ``run`` with the other input checks)."""
-        for name in ("max_steps", "eval_interval", "eval_batches", "save_interval"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name}: must be >= 1, got {value}")
-
-    @classmethod
-    def from_namespace(cls, ns) -> "RunArgs":
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
 
 
 def setup_logging() -> int:
@@ -83,9 +44,7 @@ def run(args: RunArgs) -> list[float]:
     try:
         spec = validate(args, launch_world_size())
     except INPUT_ERRORS as err:
-        if rank == 0:
-            log.error("error: %s", one_line(err))
-        raise SystemExit(BAD_INPUT) from None
+        stop_before_start(err)
     return _train(args, spec, rank)
 
 
@@ -106,8 +65,7 @@ def _train(args: RunArgs, spec: RunSpec, rank: int) -> list[float]:
     try:
         job = _start(args, spec, rank)
     except RunStopped as stop:  # every rank is here, with the same code; one of them reports
-        stop.report()
-        raise SystemExit(stop.code) from None
+        stop_together(stop)
     if rank == 0:
         _write_plan(job.engine, args.output_dir)
     if job.first_step == 0:
@@ -201,9 +159,7 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
             log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker,
                                                                                getattr(engine, "memory_budget", None)))
         if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
-            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, faults.during_save(step),
-                              config=job.config)
-            faults.after_save(step)
+            tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, config=job.config)
             if rank == 0:
                 log.info("saved checkpoint %s", tag)
     return losses
@@ -211,7 +167,6 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
 
 def _step(job: Job, args: RunArgs, step: int) -> float:
     """One training step (timed instruction by instruction when it is the --timeline step)."""
-    faults.before_step(step)
     try:
         if args.timeline and step == args.max_steps:
             loss = write_timeline(job.engine, job.batches, args.timeline, int(os.environ.get("RANK", "0")))
@@ -220,7 +175,7 @@ def _step(job: Job, args: RunArgs, step: int) -> float:
     except PipelineFailure as err:
         log.error("step %d: %s", step, err)
         raise SystemExit(1) from None
-    return faults.reported_loss(step, loss)
+    return loss
 
 
 def _finish(job: Job, args: RunArgs, rank: int, losses: list[float]) -> None:

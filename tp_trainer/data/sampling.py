@@ -41,8 +41,3 @@ def _replica_indices(start: int, global_batch: int, per_replica: int, replica: i
         for offset in range(0, per_replica, micro_batch_size):
             yield range(first + offset, first + offset + micro_batch_size)
         step_start += global_batch
-
-
-def step_blocks(step: int, global_batch: int) -> range:
-    """The global sample indices step ``step`` (0-based) trains on, whatever the layout."""
-    return range(step * global_batch, (step + 1) * global_batch)

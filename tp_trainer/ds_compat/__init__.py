@@ -5,8 +5,8 @@ executor and keeps DeepSpeed's optimizer, reductions, loss aggregation and check
 members DeepSpeed does not promise to keep (names starting with ``_``, attributes set in
 ``__init__``, the protocol of a method we mirror). An upgrade that renames or changes one breaks
 training silently or deep inside a step; here each such touch is written down (``TOUCHES``) and
-``check_touches`` compares it with the installed DeepSpeed (``tests/test_ds_compat.py``), so an
-upgrade fails at once with a message naming the touch and what changed.
+``check_touch`` / ``check_override`` compare it with the installed DeepSpeed (``tests/test_ds_compat.py``),
+so an upgrade fails at once with a message naming the touch and what changed.
 
 Three kinds of touch:
 - the thin functions below: the rest of the package calls them instead of the private member;
@@ -29,10 +29,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from . import tail
-from .check import check_override, check_touch, check_touches
+from .check import check_override, check_touch
 from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
-__all__ = ["tail", "PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touches", "check_touch", "check_override",
+__all__ = ["tail", "PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_override",
            "stage_forward", "loss_backward", "inner_stage_backward", "record_slice_loss", "next_batch",
            "reduce_tied_grads", "reduce_grads", "optimizer_step", "broadcast_loss", "set_global_grad_norm",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",

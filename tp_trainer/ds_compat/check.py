@@ -1,4 +1,5 @@
-"""Compare the touches of ``touches.py`` with the installed DeepSpeed, without a process group.
+"""Compare the touches of ``touches.py`` with the installed DeepSpeed, without a process group
+(tests/test_ds_compat.py runs ``check_touch`` on every touch, ``check_override`` on every override).
 
 Each check reads classes, signatures and source text only (``inspect``); a problem is a message
 that starts with the touch's name and says what changed.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from .touches import OVERRIDES, TOUCHES, Touch
+from .touches import Touch
 
 
 def _resolve(owner: str):
@@ -99,13 +100,3 @@ def check_override(touch: Touch, ours, base=None) -> list[str]:
         problems += _signature_problems(touch.name, ours, touch.member, touch.params)
     return problems
 
-
-def check_touches() -> list[str]:
-    """Every problem of every touch and override against the installed DeepSpeed ([] = all hold)."""
-    from ..engine import TeraPipeEngine
-    from ..model.pipeline import TeraPipeModule
-    ours = {"PipelineEngine": TeraPipeEngine, "DeepSpeedEngine": TeraPipeEngine, "PipelineModule": TeraPipeModule}
-    problems = [p for touch in TOUCHES for p in check_touch(touch)]
-    for touch in OVERRIDES:
-        problems += check_override(touch, ours[touch.owner.rpartition(":")[2]])
-    return problems

@@ -7,7 +7,7 @@ each rank creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MAS
 never unlinks them, so each launch leaves 66 MiB per rank in /dev/shm, which is RAM.
 
 Each rank unlinking its own file after a barrier at start-up (every rank has mapped every file by
-then) would free it however the process ends. Tried in session 4: 1 of 3 launches of a bad-input
+then) would free it however the process ends. Tried once: 1 of 3 launches of a bad-input
 test then aborted at interpreter exit ("terminate called without an active exception"), against 0 of
 5 without, so the run does not do it. Launchers that know their port remove what a finished launch
 left (``remove_leftovers``): benchmarks/_ranks.py, and the tests after each test (tests/conftest.py,

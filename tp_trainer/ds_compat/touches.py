@@ -62,6 +62,11 @@ OVERRIDES = (
           "PipelineModule.__init__ calls it by name after the topology is known.", PIPE_SINCE,
           ("tp_trainer/model/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
           source=(("__init__", ("self._partition_layers(method=partition_method)",)),)),
+    Touch(PIPE_MODULE, "_synchronize_tied_weights", "Broadcasts the tied weights from their first stage; "
+          "ours runs it under torch.no_grad (no autograd warning at the first backward). __init__ and "
+          "load_state_dir call it by name.", "checked 0.19.8", ("tp_trainer/model/pipeline.py",), params=("self",),
+          source=(("__init__", ("self._synchronize_tied_weights()",)),
+                  ("load_state_dir", ("self._synchronize_tied_weights()",)))),
 )
 
 TOUCHES = (

@@ -7,15 +7,19 @@ aligned bottom-right. Two kernels do that without a mask:
   which aligns the diagonal bottom-right when the query is shorter than the keys; it takes the
   cache's K/V views as they are (last dimension contiguous), fewer K/V heads than query heads, and a
   sliding window as ``window_size_left`` = window - 1. Its own autograd formula does the backward.
-- ``cudnn`` (the default where it runs): cuDNN's attention is faster on Hopper (one H100, Llama
-  7B-width layers at 8192 tokens: forward 1.8 vs 3.8 ms, backward 5.0 vs 9.7 ms for two layers,
+- ``cudnn``: cuDNN's attention is faster on Hopper for long slices (one H100, Llama 7B-width layers
+  at 8192 tokens: forward 1.8 vs 3.8 ms, backward 5.0 vs 9.7 ms for two layers,
   ``benchmarks/results/gpu/h100``) but its causal mask is aligned top-left. So the slice's attention
   is split at the context boundary (``SplitAttention``): the context part [0, c) unmasked, the own
   part [c, c + l) causal (square, where both alignments agree), joined by their log-sum-exp; each
   part's backward runs with the joint output and log-sum-exp, which gives the exact gradients (as
   ring attention does). The context's K/V gradient and the own part's come out separately.
-A window (Mistral, Qwen2's sliding layers) takes ``flash``. ``TP_SLICE_ATTENTION=flash|cudnn``
-forces one; a cuDNN failure (an old cuDNN, an unsupported shape) switches to ``flash`` for the rest
+``auto`` (the default) takes cuDNN for a slice of l tokens with head size d where l x d >= 65536,
+flash below: on the H100, with weight gradients merged and every slice captured, cuDNN was faster
+for 1024-token and 512-token slices of the Llama pair (d 128; 8 slices 51.1 vs 54.6 ms, 16 slices
+57.4 vs 60.7 ms), flash for GPT-2 medium's 512- and 256-token slices (d 64; 4 slices 5.2 vs 5.9 ms,
+8 slices 8.0 vs 9.7 ms), the two even at 1024 x 64 and 256 x 128. A window (Mistral, Qwen2's
+sliding layers) takes ``flash``. ``TP_SLICE_ATTENTION=auto|flash|cudnn`` chooses; a cuDNN failure (an old cuDNN, an unsupported shape) switches to ``flash`` for the rest
 of the process, once, with a warning. Saved for backward either way: q, the output and the
 log-sum-exp (O(l)) and the K/V views (no copy).
 """
@@ -30,7 +34,8 @@ from typing import Callable
 import torch
 
 _FLASH = torch.ops.aten._flash_attention_forward
-_CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "cudnn")}
+_CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "auto")}
+CUDNN_FROM = 65536   # slice tokens x head size from which "auto" takes cuDNN
 
 
 @dataclass(frozen=True)
@@ -120,21 +125,29 @@ def cuda_path(query, key, span, dropout: float, kwargs) -> bool:
 
 
 def kernel_in_use() -> str:
-    """"cudnn" or "flash": what an unwindowed slice runs now."""
+    """"auto", "cudnn" or "flash": what unwindowed slices run now."""
     return _CHOICE["kernel"]
 
 
 def use_kernel(name: str) -> None:
-    """Choose "cudnn" or "flash" for the slices that follow (benchmarks, debugging)."""
-    if name not in ("cudnn", "flash"):
-        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose cudnn or flash")
+    """Choose "auto", "cudnn" or "flash" for the slices that follow (benchmarks, debugging)."""
+    if name not in ("auto", "cudnn", "flash"):
+        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose auto, cudnn or flash")
     _CHOICE["kernel"] = name
+
+
+def takes_cudnn(span, head_size: int) -> bool:
+    """Whether a slice runs cuDNN's split attention (else flash)."""
+    kernel = _CHOICE["kernel"]
+    if span.windowed or kernel == "flash":
+        return False
+    return kernel == "cudnn" or span.length * head_size >= CUDNN_FROM
 
 
 def slice_attention_cuda(query, keys, values, span, scale) -> torch.Tensor:
     """The slice's attention, (b, l, heads, d): q (b, h, l, d), keys / values (b, g, c + l, d) the
     slice cache's views."""
-    if _CHOICE["kernel"] == "cudnn" and not span.windowed:
+    if takes_cudnn(span, query.shape[-1]):
         try:
             return SplitAttention.apply(query, keys, values, span.start, scale, CUDNN).transpose(1, 2)
         except RuntimeError as err:

@@ -33,6 +33,15 @@ class TeraPipeModule(PipelineModule):
                 logger.info(f"stage {stage}: {' '.join(names)} (cost ~{self.stage_split.costs[stage]:.3g}{self.stage_split.unit})")
         set_layer_bounds(self, self.parts[stage_id], self.parts[stage_id + 1])
 
+    def _synchronize_tied_weights(self):
+        """DeepSpeed's broadcast of the tied weights (the embedding and the head) from their first
+        stage, at ``__init__`` and after loading, with autograd off. With it on, torch's fallback for
+        c10d ops without an autograd kernel records the in-place broadcast of a parameter that
+        requires grad, and the first backward through that weight warns on every rank
+        ("c10d::broadcast_: an autograd kernel was not registered"); the values are the same."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
 
 def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, split: StageSplit | None = None,
                           **kwargs) -> TeraPipeModule:

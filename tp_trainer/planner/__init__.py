@@ -10,6 +10,6 @@
     memory_model / memory_plan            predicted peak per stage; the fastest plan (slices, order,
                                           checkpointing per stage) under terapipe.memory_limit_gib
     auto.measured_layout                  "slices": "auto" before the model is built (collective)
-    auto.auto_slices / auto.auto_plan     per-stage profiling of a built module (older cost models)
+    auto.auto_plan                        per-stage profiling of a built module (older cost models)
     cli.main                              python -m tp_trainer.planner (__main__.py)
 """

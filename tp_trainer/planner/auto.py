@@ -3,8 +3,7 @@
 Call on every rank after the model is split into its ``TeraPipeModule`` (and after
 ``deepspeed.init_distributed``), BEFORE the ``TeraPipeEngine`` is built (the engine needs the plan):
 
-    slices, predicted, text = auto_slices(module, seq_len=..., microbatch_size=..., microbatches=...,
-                                          stages=..., cost_model_path=...)
+    plan, text = auto_plan(module, seq_len=..., batch=..., stages=..., cost_model_path=...)
 
 Every rank times its own stage's layers (bounded by ``time_budget_s``), the stage models are
 gathered to rank 0 with ``all_gather_object``, rank 0 runs the DP on the slowest stage and
@@ -102,7 +101,7 @@ def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: in
               schedule: str = "gpipe", save_dir: str | None = None, stage_id: int | None = None,
               hidden: int | None = None, slice_context=None, cost: PipelineCost | None = None
               ) -> tuple[PlannedBatch, str]:
-    """The full form: (plan, report). ``batch`` = sequences per step per replica;
+    """(plan, report) for a built stage module (collective). ``batch`` = sequences per step per replica;
     ``microbatch_size`` fixes b (None: the DP also chooses the equal split of the batch).
 
     ``cost``: a cost model already read (the run's checks read ``cost_model_path`` once).
@@ -282,15 +281,6 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
         schedule = best.schedule
     text.append(report(layout.plan, layout.cost, stages, schedule, time.perf_counter() - start))
     return layout, "\n".join(text)
-
-
-def auto_slices(module, seq_len: int, microbatch_size: int, microbatches: int, stages: int, granularity: int = 8,
-                time_budget_s: float = 60.0, cost_model_path: str | None = None, schedule: str = "gpipe",
-                save_dir: str | None = None, **kwargs) -> tuple[tuple[int, ...], float, str]:
-    """(slice lengths, predicted iteration seconds, report) for a fixed microbatching (collective)."""
-    plan, text = auto_plan(module, seq_len, microbatch_size * microbatches, stages, microbatch_size, granularity,
-                           time_budget_s, cost_model_path, schedule, save_dir, **kwargs)
-    return plan.slices[0], plan.predicted_time, text
 
 
 def _divisors(n: int) -> list[int]:

@@ -2,8 +2,8 @@
 
 The cost model is fitted on single units, each timed with its data still in cache, in a profile
 taken minutes before the run and in that moment's machine state. On a shared machine the stages'
-compute in the step then runs 5-10% slower than the model prices it (benchmarks/README, session
-13), and the predicted step misses by as much. Here each stage runs its own compute instructions of
+compute in the step then runs 5-10% slower than the model prices it (benchmarks/RESULTS.md),
+and the predicted step misses by as much. Here each stage runs its own compute instructions of
 the built engine's schedule (ForwardSlice / BackwardSlice / WeightGrad of every unit, in the
 engine's order, activations and K/V held until their backward as in the step; messages left out:
 random inputs and output gradients stand in for those received), with every rank computing at once
@@ -13,8 +13,7 @@ units (``scaled``), and the schedule simulated again: the bubble, the messages, 
 the step tail stay predicted; only the compute is measured.
 
 The profile also misprices slices: its per-unit constants move by a third from one profile to the
-next, so the DP picks 6 slices after one profile and 9-10 after another (benchmarks/README,
-session 13). So beside the planned slicing, the plans with about 2/3 and 3/2 as many slices (the
+next, so the DP picks 6 slices after one profile and 9-10 after another (benchmarks/RESULTS.md). So beside the planned slicing, the plans with about 2/3 and 3/2 as many slices (the
 best the simulation finds among the DP's and the uniform ones, same stage split and microbatching,
 reaching a shared half's threshold) are measured the same way, in turns, and the engine runs the one
 of least calibrated step (``Calibration.chosen``; another only where it predicts >= 1% less).

@@ -1,4 +1,4 @@
-"""Per-layer measured costs: the stage split chosen together with the slices (issue 12, section 4).
+"""Per-layer measured costs: the stage split chosen together with the slices .
 
 A model's pipeline layers are ``[*prefix, N identical blocks, *suffix]``. Three parts are timed
 on a probe model of the same config with ONE block (random weights, this device, fp32), before the

@@ -1,4 +1,4 @@
-"""Predicted peak memory of a plan per stage, from bytes measured at profile time (issue 12, section 2).
+"""Predicted peak memory of a plan per stage, from bytes measured at profile time .
 
 Measured per part (prefix, one block or its two halves, suffix: ``layer_cost``'s probe), in
 ``measure_part``:

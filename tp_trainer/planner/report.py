@@ -1,4 +1,4 @@
-"""Planning from a cost model and the printed report (shared by the CLI and ``auto_slices``)."""
+"""Planning from a cost model and the printed report (shared by the CLI and ``auto.auto_plan``)."""
 
 from __future__ import annotations
 

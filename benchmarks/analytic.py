@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .cost_model import FEATURES, PipelineCost, StageCost
+from tp_trainer.planner.cost_model import FEATURES, PipelineCost, StageCost
 
 BYTES = 2  # fp16 activations, gradients and weights
 

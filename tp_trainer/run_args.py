@@ -1,0 +1,104 @@
+"""The options of one training run, written once: each ``RunArgs`` field is a flag of launch/train.py.
+
+A field's default is the flag's default; its metadata holds the help text, the ``--help`` group
+and, where the flag is not a plain ``--<name> VALUE``, how argparse reads it. ``add_arguments``
+builds the flags from the fields (in field order); ``RunArgs.from_namespace`` reads them back.
+``deepspeed_config`` is the one field whose flag DeepSpeed adds (``deepspeed.add_config_arguments``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass, field, fields
+
+from .config import ConfigError
+
+GROUPS = ("model", "data", "training")
+
+
+def _flag(default, help_text: str | None, group: str, **argparse_kwargs):
+    """A field with its flag: the help text (None: none), its ``--help`` group (one of GROUPS) and the
+    argparse keywords beyond default and type (``flag``: an option string other than ``--<name>``)."""
+    return field(default=default, metadata={"help": help_text, "group": group, "argparse": argparse_kwargs})
+
+
+@dataclass
+class RunArgs:
+    """Options of one training run (the command line of launch/train.py)."""
+
+    deepspeed_config: str = field(metadata={"added_by": "deepspeed.add_config_arguments"})
+    # ------------------------------------------------------------------ model
+    model_name_or_path: str | None = _flag(None, "HF checkpoint: hub id or local save_pretrained directory", "model")
+    config_name: str = _flag("gpt2-tiny", "preset for random init (see tp_trainer/model/presets.py)", "model")
+    tokenizer_name: str | None = _flag(None, "HF tokenizer (hub id or local dir); default: the embedded BPE", "model")
+    rope_scaling: str | None = _flag(
+        None, "rotary models: HF's rope_scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0}' (also "
+        "linear, llama3), to fine-tune at --block_size beyond the checkpoint's positions; replaces its "
+        "config.json's rope_parameters", "model")
+    # ------------------------------------------------------------------ data
+    dataset_name: str | None = _flag(None, "hub dataset name", "data")
+    dataset_config_name: str | None = _flag(None, "hub dataset config", "data")
+    train_file: str | None = _flag(None, "local .txt/.json/.jsonl/.csv/.parquet file", "data")
+    validation_file: str | None = _flag(
+        None, "local validation file (same formats); also with the embedded corpus or --dataset_name, whose "
+        "validation part it replaces", "data")
+    text_column: str = _flag("text", "json/csv/parquet/hub column holding the text (default %(default)s)", "data")
+    block_size: int | None = _flag(None, "sequence length; overrides terapipe.seq_len", "data")
+    # ------------------------------------------------------------------ training
+    max_steps: int = _flag(30, "optimizer steps to run (default %(default)s)", "training")
+    eval_interval: int = _flag(10, "evaluate every N steps (and at the end)", "training")
+    eval_batches: int = _flag(4, "batches per evaluation", "training")
+    save_hf: bool = _flag(True, "do not write the trained model as a Hugging Face directory at the end", "training",
+                          flag="--no_save_hf", action="store_false")
+    save_interval: int | None = _flag(None, "DeepSpeed checkpoint every N steps and at the end", "training")
+    resume: str | None = _flag(None, "continue from <output_dir>/checkpoints: '%(const)s' (default) or a tag such "
+                               "as step30", "training", nargs="?", const="latest")
+    reset_optimizer: bool = _flag(False, "with --resume: keep only the weights (fresh optimizer state and LR "
+                                  "schedule)", "training", action="store_true")
+    reset_data_position: bool = _flag(False, "with --resume: start the data from its first block (allows another "
+                                      "global batch)", "training", action="store_true")
+    timeline: str | None = _flag(None, "PNG: measured Gantt chart of the last step beside the simulated one",
+                                 "training")
+    seed: int = _flag(1234, None, "training")
+    output_dir: str = _flag("runs/latest", "where the plan and logs are written", "training")
+
+    def check(self):
+        """Flag values (checked in ``run`` with the other input checks)."""
+        for name in ("max_steps", "eval_interval", "eval_batches", "save_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name}: must be >= 1, got {value}")
+
+    @classmethod
+    def from_namespace(cls, ns) -> "RunArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def flag_fields() -> list:
+    """The fields whose flags ``add_arguments`` adds (all but DeepSpeed's ``deepspeed_config``)."""
+    return [f for f in fields(RunArgs) if f.metadata.get("group")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """Add a flag per ``RunArgs`` field to ``parser``, in its group; returns the groups by name."""
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    hints = typing.get_type_hints(RunArgs)
+    for f in flag_fields():
+        options = dict(f.metadata["argparse"])
+        flag = options.pop("flag", f"--{f.name}")
+        value_type = _value_type(hints[f.name])
+        if "action" not in options and value_type is not str:  # argparse reads a string by default
+            options["type"] = value_type
+        groups[f.metadata["group"]].add_argument(flag, dest=f.name, default=f.default, help=f.metadata["help"],
+                                                 **options)
+    return groups
+
+
+def _value_type(hint):
+    """``int`` for ``int`` and ``int | None``; likewise ``str`` (what argparse converts the value with)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return hint
+
