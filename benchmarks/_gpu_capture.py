@@ -27,6 +27,7 @@ import traceback
 import torch
 
 from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
+from tp_trainer.model.capture import WEIGHT_MODES
 
 SETS = {  # label: (family, hidden, heads, kv heads, intermediate, blocks, seq_len)
     "gpt2-medium": ("gpt2", 1024, 16, 16, 4096, 4, 2048),
@@ -88,9 +89,6 @@ def offsets(seq_len: int, slices: int) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
-WEIGHT_MODES = ("in B", "W per slice", "W per sequence")
-
-
 def variants(device) -> list[tuple[bool, str, str]]:
     """(captured, weight gradients, attention kernel) of each timed variant."""
     if device.type != "cuda":
@@ -109,7 +107,7 @@ class SlicedRun:
 
     def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
                  weights: str = "in B"):
-        from tp_trainer.model.capture import UnitGraphs
+        from tp_trainer.model.capture import UnitGraphs, layer_callbacks
         from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears
         self.offsets = offsets(seq_len, slices)
         order = [("F", 0, j) for j in range(slices)] + [("B", 0, j) for j in reversed(range(slices))]
@@ -117,21 +115,7 @@ class SlicedRun:
         self.deferred = [] if weights == "in B" else deferrable_linears([layer.inner for layer in layers])
         defer(self.deferred, store)
 
-        def run_forward(kv, m, j, x):
-            ctx.begin(kv, *self.offsets[j])
-            for layer in layers:
-                x = layer(x)
-            return x
-
-        def begin_backward(kv, m, j):
-            ctx.begin(kv, *self.offsets[j])
-            store.unit = (m, j)
-
-        def end_backward(kv, m, j):
-            if weights == "W per slice":
-                store.flush((m, j))
-            elif weights == "W per sequence" and j == 0:
-                store.flush_merged()
+        run_forward, begin_backward, end_backward = layer_callbacks(layers, ctx, self.offsets, store, weights)
         shapes = [[(1, length, hidden) for _, length in self.offsets]]
         self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
                                  capture=captured, end_backward=end_backward)

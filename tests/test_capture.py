@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tp_trainer.model.capture import UnitGraphs
+from tp_trainer.model.capture import UnitGraphs, layer_callbacks
 from tp_trainer.model.layers import DecoderBlock, SliceContext
 from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
 
@@ -41,21 +41,7 @@ def graphs(hf, weights: str, order=None):
     deferred = [] if weights == "in B" else deferrable_linears(list(hf.transformer.h))
     defer(deferred, store)
 
-    def run_forward(kv, m, j, x):
-        ctx.begin(kv, *SLICES[j])
-        for layer in layers:
-            x = layer(x)
-        return x
-
-    def begin_backward(kv, m, j):
-        ctx.begin(kv, *SLICES[j])
-        store.unit = (m, j)
-
-    def end_backward(kv, m, j):
-        if weights == "W per slice":
-            store.flush((m, j))
-        elif weights == "W per sequence" and j == 0:
-            store.flush_merged()
+    run_forward, begin_backward, end_backward = layer_callbacks(layers, ctx, SLICES, store, weights)
     order = order or [("F", 0, j) for j in range(4)] + [("B", 0, j) for j in reversed(range(4))]
     params = list(hf.transformer.h.parameters())
     return UnitGraphs(run_forward, begin_backward, order, [[(1, l, 16) for _, l in SLICES]], 16, params,

@@ -40,6 +40,37 @@ from .slice_cache import SequenceKV
 Unit = tuple[str, int, int]   # ("F" | "B", microbatch, slice)
 
 
+WEIGHT_MODES = ("in B", "W per slice", "W per sequence")
+
+
+def layer_callbacks(layers, ctx, offsets, store=None, weights: str = "in B"):
+    """(run_forward, begin_backward, end_backward) for ``UnitGraphs`` over a stage's ``layers`` sharing
+    the ``SliceContext`` ``ctx``, slice j of every microbatch at ``offsets[j]`` = (start, length).
+    ``weights`` says where the weight gradients of the layers deferred into ``store``
+    (``weight_grad.DeferredWeightGrads``) are added: "in B" (none deferred), "W per slice" (right
+    after each unit's backward) or "W per sequence" (``flush_merged`` after the first slice's)."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights: {weights!r}; choose one of {WEIGHT_MODES}")
+
+    def run_forward(kv, m, j, x):
+        ctx.begin(kv, *offsets[j])
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    def begin_backward(kv, m, j):
+        ctx.begin(kv, *offsets[j])
+        if store is not None:
+            store.unit = (m, j)
+
+    def end_backward(kv, m, j):
+        if weights == "W per slice":
+            store.flush((m, j))
+        elif weights == "W per sequence" and j == 0:
+            store.flush_merged()
+    return run_forward, begin_backward, end_backward
+
+
 class UnitGraphs:
     """Forward and backward graphs of every unit of one step of one stage.
 
