@@ -4,8 +4,9 @@ A cycle among module-level imports makes the result depend on which module is im
 (a partly initialised module hands out missing names) and ties layers together that should stand
 apart: the planner must not need the value objects' module to import the planner back. The graph
 is built from the source with ``ast``, so a cycle is found even where today's import order hides it.
-Imports inside functions are deliberate lazy imports and are not edges; every other import
-statement (at the top, inside ``if``/``try``, ``if __name__ == "__main__"`` blocks included) is.
+Every import statement is an edge: at the top, inside ``if``/``try``, ``if __name__ ==
+"__main__"`` blocks and inside functions alike (a lazy import inside a function still ties the two
+modules together; it only hides the cycle from the import order).
 """
 
 from __future__ import annotations
@@ -31,15 +32,9 @@ def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
     return modules
 
 
-def _module_level_imports(tree: ast.Module):
-    """Import statements that run when the module is imported (not those inside a def)."""
-    pending = list(tree.body)
-    while pending:
-        node = pending.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            pending.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+def _imports(tree: ast.Module):
+    """Every import statement of the module, inside functions too."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _targets(node, name: str, is_package: bool, modules) -> set[str]:
@@ -64,13 +59,13 @@ def _targets(node, name: str, is_package: bool, modules) -> set[str]:
 
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at module level (itself excluded)."""
+    """Module -> the package modules it imports anywhere (itself excluded)."""
     graph = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         is_package = path.name == "__init__.py"
         edges = set()
-        for node in _module_level_imports(tree):
+        for node in _imports(tree):
             edges |= _targets(node, name, is_package, modules)
         graph[name] = edges - {name}
     return graph
@@ -115,8 +110,8 @@ def test_every_module_imports(name):
 
 def test_checker_finds_a_planted_cycle(tmp_path):
     """The checker is not blind: a package whose modules import each other, through a relative
-    ``from .b import x``, an ``if __name__ == "__main__"`` block and an ``import pkg.c``, is reported;
-    an import inside a function is not an edge."""
+    ``from .b import x``, an ``if __name__ == "__main__"`` block and an ``import pkg.c``, is reported,
+    and so is one closed by an import inside a function."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -125,7 +120,9 @@ def test_checker_finds_a_planted_cycle(tmp_path):
     (pkg / "c.py").write_text("from . import a\n")
     (pkg / "d.py").write_text("def f():\n    from . import a\n")
     graph = import_graph(module_files(pkg, "pkg"))
-    assert graph["pkg.d"] == set()
+    assert graph["pkg.d"] == {"pkg.a"}
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     (pkg / "b.py").write_text("x = 1\n")
     assert find_cycle(import_graph(module_files(pkg, "pkg"))) is None
+    (pkg / "b.py").write_text("x = 1\ndef f():\n    from . import d\n")   # a -> b -> d -> a, lazily
+    assert find_cycle(import_graph(module_files(pkg, "pkg"))) == ["pkg.a", "pkg.b", "pkg.d", "pkg.a"]
