@@ -156,3 +156,27 @@ def test_the_scan_finds_a_private_member_outside_ds_compat():
     names = deepspeed_private_names()
     planted = "def step(engine):\n    engine._exec_optimizer_step()\n    engine._exec_schedule([])\n"
     assert private_uses(planted, names, {"_exec_schedule"}) == [(2, "_exec_optimizer_step")]
+
+
+def test_throughput_timer_never_synchronizes(monkeypatch):
+    """The engine's throughput timer, started by DeepSpeed's forward on every slice, never
+    synchronizes the device, even past DeepSpeed's start_step (which the pipeline never reaches today)."""
+    from types import SimpleNamespace
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils.timer import ThroughputTimer
+
+    from tp_trainer import ds_compat
+    config = DeepSpeedConfig({"train_batch_size": 1}).timers_config   # what DeepSpeedEngine gives its timer
+    assert config.synchronized   # DeepSpeed's default: it would
+    engine = SimpleNamespace(tput_timer=ThroughputTimer(config, batch_size=1))
+    syncs = []
+    monkeypatch.setattr(type(get_accelerator()), "synchronize", lambda self, *a: syncs.append(1))
+    engine.tput_timer.global_step_count = 10
+    engine.tput_timer.start()
+    assert syncs == [1]   # the hazard: a start past start_step synchronizes
+    ds_compat.unsynchronized_throughput_timer(engine)
+    engine.tput_timer.start()
+    engine.tput_timer.stop(global_step=True)
+    assert syncs == [1] and config.synchronized   # none more; DeepSpeed's config untouched

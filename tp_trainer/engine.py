@@ -4,7 +4,17 @@ The engine executes the instructions of a schedule (``tp_trainer.schedule``) thr
 table and refuses anything else. Everything that is not slicing stays DeepSpeed's: the optimizer
 (ZeRO-1, bf16/fp16), the data-parallel and tied-gradient reductions, checkpoints and monitors.
 Activations and gradients between stages go through ``p2p.Transfers``: non-blocking sends, and
-receives posted one message ahead.
+receives posted ahead (``schedule.calls.receive_posts``: never ahead of an earlier send to the same
+peer, so each rank's calls on a pair's communicator keep the schedule's order, which NCCL needs;
+``schedule/nccl_model.py`` checks every order; the step tail posts its collectives after the last
+transfer, ``schedule/tail.py``).
+
+Host synchronizations per step on an accelerator (each found by reading): the clipping norm read
+back once (``clip_fp32_gradients``: ``norm.item()`` for DeepSpeed's reported norm); with fp16, the
+loss scaler's overflow check in DeepSpeed's optimizer step; the loss read back by the caller
+(``float(train_batch(...))`` in ``run.py``). Not per step any more: the input ids and labels reach
+the device through pinned memory without blocking (``to_device``), and DeepSpeed's throughput timer,
+started on every slice, cannot synchronize (``ds_compat.unsynchronized_throughput_timer``).
 
 Shapes are known on both sides from the plan: slice (m, j) carries an activation of shape
 (microbatch_size, slices[j], hidden) in the compute dtype, so no metadata is exchanged.
@@ -31,22 +41,17 @@ from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
+from .schedule.calls import receive_posts
 from .schedule.tail import LocalStep, LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
 
 
-def _next_receives(instructions) -> dict:
-    """Index of each receive -> index of the next receive of the same kind (RecvActivation or
-    RecvGrad), and -1 -> the indices of the first receive of each kind."""
-    following, last = {-1: []}, {}
-    for index, instruction in enumerate(instructions):
-        kind = type(instruction)
-        if kind in (RecvActivation, RecvGrad):
-            if kind in last:
-                following[last[kind]] = index
-            else:
-                following[-1].append(index)
-            last[kind] = index
-    return following
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without synchronizing the host with it: through pinned memory and a
+    non-blocking copy on an accelerator (a copy from pageable memory waits for the device); as it is
+    on the CPU."""
+    if torch.device(device).type == "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class PipelineFailure(RuntimeError):
@@ -70,6 +75,7 @@ class TeraPipeEngine(PipelineEngine):
         if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
             raise ValueError(f"plan {plan} disagrees with the DeepSpeed config: gradient_accumulation_steps="
                              f"{self.micro_batches}, train_micro_batch_size_per_gpu={self.micro_batch_size}")
+        ds_compat.unsynchronized_throughput_timer(self)   # no device synchronization per slice
         self.plan = plan
         self.schedule_name = schedule
         self.hidden_size = hidden_size
@@ -127,11 +133,13 @@ class TeraPipeEngine(PipelineEngine):
         if self.module.training:
             self.tput_timer.start()
         self._instructions = [instruction for step in pipe_schedule for instruction in step]
-        self._next_recv = _next_receives(self._instructions)
+        posts = {}   # instruction index -> the receives posted just before it runs (schedule/calls.py)
+        for receive, position in receive_posts(self._instructions).items():
+            posts.setdefault(max(position, 0), []).append(receive)
         self._transfers = Transfers()
-        for index in self._next_recv[-1]:  # the first receive of each kind, posted now
-            self._post_recv(self._instructions[index])
         for self._position, instruction in enumerate(self._instructions):
+            for receive in posts.get(self._position, ()):
+                self._post_recv(self._instructions[receive])
             handler = self._DISPATCH.get(type(instruction))
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
@@ -219,7 +227,7 @@ class TeraPipeEngine(PipelineEngine):
             if m != self._next_microbatch:
                 raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
             input_ids, labels = ds_compat.next_batch(self)
-            self._batches[m] = (input_ids.to(self.device), labels.to(self.device))
+            self._batches[m] = (to_device(input_ids, self.device), to_device(labels, self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
         window = slice(self._offsets[j], self._offsets[j] + self.plan.slices[j])
@@ -254,8 +262,9 @@ class TeraPipeEngine(PipelineEngine):
         else:
             self._outputs[(m, j)] = outputs
 
-    # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer, and
-    # each receive was posted when the previous one of its kind completed.
+    # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
+    # receive was posted when the previous one of its kind completed, or after the last send to the
+    # same peer before it, if later (schedule/calls.receive_posts: the order NCCL needs).
     def _peer_rank(self, cmd) -> int:
         return self.grid.stage_to_global(stage_id=cmd.peer_stage)
 
@@ -264,12 +273,8 @@ class TeraPipeEngine(PipelineEngine):
         self._transfers.post_recv(cmd, buffer, self._peer_rank(cmd))
 
     def _receive(self, cmd) -> torch.Tensor:
-        """Wait for the message of ``cmd`` (posted ahead) and post the next receive of the same kind."""
-        buffer = self._transfers.recv(cmd)
-        following = self._next_recv.get(self._position)
-        if following is not None:
-            self._post_recv(self._instructions[following])
-        return buffer
+        """Wait for the message of ``cmd`` (posted ahead, ``receive_posts``)."""
+        return self._transfers.recv(cmd)
 
     def _exec_send_activation(self, cmd: SendActivation):
         key = (cmd.microbatch, cmd.slice)

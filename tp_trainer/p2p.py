@@ -10,10 +10,16 @@ gradient slice on the first stage's critical path, and up to 20 ms of stalled se
 - a send is an ``isend``; the sender moves on at once and keeps the tensor alive until the send
   completes (checked as later sends are made, and all of them at the end of the schedule);
 - a receive is an ``irecv`` posted ahead of time (the engine posts the next receive of each kind as
-  soon as the previous one is done), so the data lands while this rank computes, and the
+  soon as the previous one is done, but never before an earlier send to the same peer:
+  ``schedule.calls.receive_posts``), so the data lands while this rank computes, and the
   ``Recv*`` instruction only waits for what has (usually) already arrived.
 Messages between two ranks are matched in the order they were posted, which is the schedule's
-order on both sides, so no tags or metadata are needed. Works with gloo (CPU) and NCCL.
+order on both sides, so no tags or metadata are needed. On NCCL a rank's calls on one communicator
+run in the order it issued them: with that posting rule each rank issues its calls on the pair's
+communicator in the schedule's order, which the schedule simulator checked as a rendezvous, so no
+rank waits on an operation its peer issues only after something queued behind it
+(``schedule/nccl_model.py`` replays every schedule's calls under NCCL's rules). gloo matches by tag
+and runs the same order.
 """
 
 from __future__ import annotations

@@ -109,6 +109,16 @@ def next_batch(engine):
     return engine._next_batch()
 
 
+def unsynchronized_throughput_timer(engine) -> None:
+    """DeepSpeed's forward starts ``engine.tput_timer`` on every call (every slice here), and once its
+    step count reaches ``start_step`` each start synchronizes the device (``timers.throughput.
+    synchronized``, on by default). Its count advances only in ``DeepSpeedEngine.step``, which the
+    pipeline never calls, so today it never fires; with ``synchronized`` off for this engine's timer it
+    cannot, whatever DeepSpeed counts later. The timer reports nothing here either way."""
+    timer = engine.tput_timer
+    timer.config = timer.config.model_copy(update={"synchronized": False})
+
+
 def reduce_tied_grads(engine) -> None:
     """All-reduce tied weights' gradients between their stages (bf16: the fp32 ``_hp_grad``)."""
     engine._exec_reduce_tied_grads()

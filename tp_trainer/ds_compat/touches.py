@@ -189,7 +189,8 @@ TOUCHES = (
           "clipping (ds_compat.set_global_grad_norm).", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
           instance_attr=True, source=(("get_global_grad_norm", ("return self._global_grad_norm",)),)),
     Touch(DS_ENGINE, "tput_timer", "Throughput timer, started once per schedule as DeepSpeed's forward "
-          "pass does.", "checked 0.19.8", ("tp_trainer/engine.py",), instance_attr=True,
+          "pass does; its config copied with synchronized off (no device sync per slice).", "checked 0.19.8",
+          ("tp_trainer/engine.py", "tp_trainer/ds_compat/__init__.py"), instance_attr=True,
           source=(("__init__", ("self.tput_timer = ThroughputTimer(",)),)),
     Touch(DS_ENGINE, "__init__", "initialize.py builds the engine with these keywords (model, optimizer, "
           "model_parameters, training_data, lr_scheduler, mpu, dist_init_required, collate_fn, config, "

@@ -4,16 +4,20 @@ The plain tail of a stage (``orders.final_steps``) runs after all of its backwar
 time: the tied-weight all-reduce, the data-parallel reduction, the optimizer step; then DeepSpeed
 broadcasts the loss from the last stage. :func:`overlap_tail` rewrites a stage's steps so that
 
-* the tied-weight all-reduce is posted (``TIED_START``) right after the stage's last backward work
-  (its last ``BackwardSlice`` or ``WeightGrad``: from then on its tied gradient is final; on the last
-  stage that is the last backward that touches the head), before the gradient send that follows it,
-  and waited for (``TIED_WAIT``) only where the gradient is needed: before the data-parallel
-  reduction and the optimizer step;
+* the tied-weight all-reduce (``TIED_START``) and the loss broadcast (``LOSS_START``) are posted
+  without blocking right after the stage's last transfer, forward and backward work (from then on its
+  tied gradient and the loss are final), in that order on every stage, and waited for (``TIED_WAIT``
+  before the data-parallel reduction and the optimizer step; ``LOSS_WAIT`` as the stage's last
+  instruction, where ``train_batch`` reads the loss);
 * the part of the optimizer step that needs no other stage (``STEP_LOCAL``: this stage's untied
-  parameters, see its docstring) runs while that all-reduce is in flight;
-* the loss is broadcast from the last stage without blocking (``LOSS_START``), posted right after
-  the stage's last ``ForwardSlice`` (on the last stage the loss is final then), and waited for
-  (``LOSS_WAIT``) as the stage's last instruction, where ``train_batch`` reads it.
+  parameters, see its docstring) runs while that all-reduce is in flight.
+
+Why after the last transfer: NCCL runs a rank's collectives and its point-to-point calls on different
+communicators (streams). A post issued before a transfer on one stage whose peer issues the matching
+transfer before its post leaves two operations pending on two communicators in opposite orders on
+two ranks: a hazard under NCCL's ordering (``nccl_model.hazards``; "CUDA gives no guarantee that two
+streams will progress independently"). Posting after the last transfer, in one order everywhere,
+keeps every rank's communicators in the same order.
 
 Simulator semantics (``simulator.py`` calls :func:`missing_before` and :func:`wait_ready`): a post is
 local and non-blocking (it runs when next, once its data is final); a wait runs once EVERY stage has
@@ -35,8 +39,12 @@ from .instructions import (
     ForwardSlice,
     Instruction,
     OptimizerStep,
+    RecvActivation,
+    RecvGrad,
     ReduceGrads,
     ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
     WeightGrad,
 )
 
@@ -143,26 +151,25 @@ def _last_index(flat: list[Instruction], kinds: tuple[type, ...]) -> int:
 def overlap_tail(steps: list[Step], stage_id: int) -> list[Step]:
     """``steps`` (one stage's, ending with ``orders.final_steps``) with the overlapped tail.
 
-    ``[... last B/W] [SEND_B ...] ... REDUCE_TIED REDUCE STEP`` becomes
-    ``[... last B/W] [TIED_START] [SEND_B ...] ... [STEP_LOCAL] [TIED_WAIT] [REDUCE] [STEP] [LOSS_WAIT]``
-    with ``[LOSS_START]`` after the step of the last ``ForwardSlice``. The post goes before the send
-    that may follow the last B in the same step (a send does not wait; the post costs microseconds).
-    Raises ValueError unless the steps end with exactly the plain final steps of ``stage_id``.
+    ``[... last B/W, F or transfer] ... REDUCE_TIED REDUCE STEP`` becomes
+    ``[... last B/W, F or transfer] [TIED_START LOSS_START] ... [STEP_LOCAL] [TIED_WAIT] [REDUCE] [STEP]
+    [LOSS_WAIT]``: the posts in a step of their own after the step that holds the stage's last
+    forward, backward or transfer instruction. Raises ValueError unless the steps end with exactly the
+    plain final steps of ``stage_id``.
     """
     finals = [[ReduceTiedGrads(stage_id)], [ReduceGrads(stage_id)], [OptimizerStep(stage_id)]]
     if len(steps) < 3 or steps[-3:] != finals:
         raise ValueError(f"overlap_tail: stage {stage_id}'s steps must end with {finals}, got {steps[-3:]}")
     body = [list(step) for step in steps[:-3]]
-    where = [(k, n) for k, step in enumerate(body) for n in range(len(step))]
-    flat = [body[k][n] for k, n in where]
+    where = [k for k, step in enumerate(body) for _ in step]
+    flat = [ins for step in body for ins in step]
     last_backward = _last_index(flat, (BackwardSlice, WeightGrad))
     last_forward = _last_index(flat, (ForwardSlice,))
     if last_backward < 0 or last_forward < 0:
         raise ValueError(f"overlap_tail: stage {stage_id}'s steps hold no forward or no backward")
-    k, n = where[last_backward]
-    body[k].insert(n + 1, TiedReduceStart(stage_id))  # before a SendGrad that follows in the step
-    k_forward = where[last_forward][0]
-    body.insert(k_forward + 1, [LossBroadcastStart(stage_id)])
+    last = max(last_backward, last_forward,
+               _last_index(flat, (SendActivation, RecvActivation, SendGrad, RecvGrad)))
+    body.insert(where[last] + 1, [TiedReduceStart(stage_id), LossBroadcastStart(stage_id)])
     return body + [[LocalStep(stage_id)], [TiedReduceWait(stage_id)], [ReduceGrads(stage_id)],
                    [OptimizerStep(stage_id)], [LossBroadcastWait(stage_id)]]
 

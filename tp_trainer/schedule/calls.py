@@ -1,0 +1,143 @@
+"""The communication calls a pipeline's ranks issue for their schedules, for ``nccl_model.check``.
+
+``lower`` turns every rank's flattened instructions into ``nccl_model.Call`` / ``Wait`` lists the way
+the engine issues them (``engine._exec_schedule``, ``p2p.Transfers``, ``ds_compat.tail``):
+
+- a send is an ``isend`` issued at its instruction; every send is waited for at the end;
+- receives, by ``posting``:
+    "ahead"  the engine's order: the first receive of each kind is posted before any instruction
+             runs, the next one of a kind as soon as the previous one is waited for;
+    "safe"   as "ahead", but never before a send to the same peer that comes earlier in the
+             schedule: on a communicator the rank's calls stay in the schedule's order;
+  a receive is waited for at its instruction;
+- collectives: the tied all-reduce (``ReduceTiedGrads``, or posted by ``TIED_START`` and waited by
+  ``TIED_WAIT``) among a replica's first and last stage; the loss broadcast (``LOSS_START`` /
+  ``LOSS_WAIT``) among a replica's stages; the data-parallel reduction (``ReduceGrads``) among a
+  stage's replicas; the clipping norm at ``OptimizerStep`` among all ranks.
+``keying``: "pair" (an un-batched isend/irecv goes to a 2-rank communicator per pair of ranks, as
+``ProcessGroupNCCL`` keys it) or "group" (every point-to-point call on the group's communicator, as
+``batch_isend_irecv`` does). Rank of (stage s, replica r): r x stages + s.
+"""
+
+from __future__ import annotations
+
+from .instructions import (
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from .nccl_model import Call, Wait
+from .orders import build_schedule
+from .tail import LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
+
+RECEIVES = (RecvActivation, RecvGrad)
+
+
+def pipeline_calls(name: str, stages: int, microbatches: int, slices: int, replicas: int = 1,
+                   posting: str = "safe", keying: str = "pair", **schedule_kwargs) -> dict[int, list]:
+    """{rank: calls} of a whole pipeline (every stage of every replica) for schedule ``name``."""
+    programs = {}
+    for replica in range(replicas):
+        for stage in range(stages):
+            flat = [ins for step in build_schedule(name, stages, stage, microbatches, slices, **schedule_kwargs)
+                    for ins in step]
+            programs[replica * stages + stage] = lower(flat, stage, stages, replica, replicas, posting, keying)
+    return programs
+
+
+def receive_posts(flat: list, posting: str = "safe") -> dict[int, int]:
+    """Receive index -> the index of the instruction before which its irecv is issued (-1: before any
+    instruction runs). What the engine does (``posting="safe"``): the next receive of a kind is posted
+    right after the previous one is waited for, but never before a send to the same peer that comes
+    earlier in the schedule, so that on the communicator the two ranks share, each issues its calls in
+    the schedule's order, which the simulator checked as a rendezvous: no rank can then wait on an
+    operation its peer issues only after something queued behind it. ``"ahead"``: the order without
+    that rule (it hangs on NCCL: stage 0's first call would be its gradient receive)."""
+    if posting not in ("ahead", "safe"):
+        raise ValueError(f"posting: {posting!r}; choose ahead or safe")
+    posts, previous = {}, {}
+    for index, ins in enumerate(flat):
+        if type(ins) in RECEIVES:
+            kind = type(ins)
+            posts[index] = previous[kind] + 1 if kind in previous else -1   # after the previous one's wait
+            if posting == "safe":
+                sends = [i for i in range(index) if flat[i].is_send and flat[i].peer_stage == ins.peer_stage]
+                if sends:
+                    posts[index] = max(posts[index], sends[-1] + 1)
+            previous[kind] = index
+    return posts
+
+
+def lower(flat: list, stage: int, stages: int, replica: int, replicas: int, posting: str = "safe",
+          keying: str = "pair") -> list:
+    """One rank's calls for its flattened instructions (see the module docstring)."""
+    if keying not in ("pair", "group"):
+        raise ValueError(f"keying: {keying!r}; choose pair or group")
+    rank = replica * stages + stage
+
+    def p2p(ins, kind: str) -> Call:
+        peer = replica * stages + ins.peer_stage
+        comm = f"p2p:{min(rank, peer)}-{max(rank, peer)}" if keying == "pair" else "world"
+        return Call(kind, comm, f"{ins}", peer=peer)
+
+    posts = receive_posts(flat, posting)
+    by_position: dict[int, list[int]] = {}
+    for index, position in posts.items():
+        by_position.setdefault(position, []).append(index)
+    calls = [p2p(flat[i], "recv") for i in by_position.get(-1, [])]
+    sends = []
+    tied = stage in (0, stages - 1)
+    for index, ins in enumerate(flat):
+        calls += [p2p(flat[i], "recv") for i in by_position.get(index, []) if i != index]
+        kind = type(ins)
+        if ins.is_send:
+            calls.append(p2p(ins, "send"))
+            sends.append(str(ins))
+        elif kind in RECEIVES:
+            if posts[index] == index:
+                calls.append(p2p(ins, "recv"))
+            calls.append(Wait(str(ins)))
+        elif kind in (ReduceTiedGrads, TiedReduceStart) and tied and stages > 1:
+            calls.append(Call("collective", f"tied{replica}", f"{ins}"))
+            if kind is ReduceTiedGrads:
+                calls.append(Wait(f"{ins}"))
+        elif kind is TiedReduceWait and tied and stages > 1:
+            calls.append(Wait(f"{TiedReduceStart(stage)}"))
+        elif kind is LossBroadcastStart and stages > 1:
+            calls.append(Call("collective", f"pipe{replica}", f"{ins}"))
+        elif kind is LossBroadcastWait and stages > 1:
+            calls.append(Wait(f"{LossBroadcastStart(stage)}"))
+        elif kind is ReduceGrads and replicas > 1:
+            calls += [Call("collective", f"dp{stage}", f"{ins}"), Wait(f"{ins}")]
+        elif kind is OptimizerStep and stages * replicas > 1:
+            calls += [Call("collective", "world", f"{ins}"), Wait(f"{ins}")]
+    return calls + [Wait(label) for label in sends]
+
+
+def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pair") -> dict[int, list]:
+    """``nccl_model`` calls from the calls a real run recorded per rank (tests/nccl_record_worker.py):
+    items ``{"label", "kind": "send" | "recv", "peer"}``, ``{"label", "kind": "collective", "group":
+    [ranks]}`` and ``{"wait": label}``. Point-to-point calls keyed as in ``lower``; a collective's
+    communicator is its group's ranks ("world" for all of them)."""
+    if keying not in ("pair", "group"):
+        raise ValueError(f"keying: {keying!r}; choose pair or group")
+    programs = {}
+    for rank, items in records.items():
+        program = []
+        for item in items:
+            if "wait" in item:
+                program.append(Wait(item["wait"]))
+            elif item["kind"] == "collective":
+                group = sorted(item["group"])
+                comm = "world" if group == list(range(world)) else "g" + "-".join(map(str, group))
+                program.append(Call("collective", comm, item["label"]))
+            else:
+                peer = item["peer"]
+                comm = f"p2p:{min(rank, peer)}-{max(rank, peer)}" if keying == "pair" else "world"
+                program.append(Call(item["kind"], comm, item["label"], peer=peer))
+        programs[rank] = program
+    return programs
