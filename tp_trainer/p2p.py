@@ -19,7 +19,9 @@ run in the order it issued them: with that posting rule each rank issues its cal
 communicator in the schedule's order, which the schedule simulator checked as a rendezvous, so no
 rank waits on an operation its peer issues only after something queued behind it
 (``schedule/nccl_model.py`` replays every schedule's calls under NCCL's rules). gloo matches by tag
-and runs the same order.
+and runs the same order. A small per-microbatch header (e.g. packed examples' boundaries) would be one
+more send to the same peer just before the microbatch's first activation, received just before its
+first ``RecvActivation``: on the pair's communicator it keeps the schedule's order like any transfer.
 """
 
 from __future__ import annotations

@@ -59,15 +59,15 @@ def receive_posts(flat: list, posting: str = "safe") -> dict[int, int]:
     that rule (it hangs on NCCL: stage 0's first call would be its gradient receive)."""
     if posting not in ("ahead", "safe"):
         raise ValueError(f"posting: {posting!r}; choose ahead or safe")
-    posts, previous = {}, {}
+    posts, previous, last_send = {}, {}, {}   # last_send: peer stage -> index of the latest send to it
     for index, ins in enumerate(flat):
-        if type(ins) in RECEIVES:
+        if ins.is_send:
+            last_send[ins.peer_stage] = index
+        elif type(ins) in RECEIVES:
             kind = type(ins)
             posts[index] = previous[kind] + 1 if kind in previous else -1   # after the previous one's wait
-            if posting == "safe":
-                sends = [i for i in range(index) if flat[i].is_send and flat[i].peer_stage == ins.peer_stage]
-                if sends:
-                    posts[index] = max(posts[index], sends[-1] + 1)
+            if posting == "safe" and ins.peer_stage in last_send:
+                posts[index] = max(posts[index], last_send[ins.peer_stage] + 1)
             previous[kind] = index
     return posts
 
