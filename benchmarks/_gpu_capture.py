@@ -29,6 +29,8 @@ import torch
 from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
 from tp_trainer.model.capture import WEIGHT_MODES
 
+from _gpu_cost import uniform_offsets
+
 SETS = {  # label: (family, hidden, heads, kv heads, intermediate, blocks, seq_len)
     "gpt2-medium": ("gpt2", 1024, 16, 16, 4096, 4, 2048),
     "llama-7b-pair": ("llama", 4096, 32, 8, 11008, 2, 8192),
@@ -84,11 +86,6 @@ def wrap(model):
     return layers, ctx, whole
 
 
-def offsets(seq_len: int, slices: int) -> list[tuple[int, int]]:
-    bounds = [seq_len * k // slices for k in range(slices + 1)]
-    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
-
-
 def variants(device) -> list[tuple[bool, str, str]]:
     """(captured, weight gradients, attention kernel) of each timed variant."""
     if device.type != "cuda":
@@ -109,7 +106,7 @@ class SlicedRun:
                  weights: str = "in B"):
         from tp_trainer.model.capture import UnitGraphs, layer_callbacks
         from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears
-        self.offsets = offsets(seq_len, slices)
+        self.offsets = uniform_offsets(seq_len, slices)
         order = [("F", 0, j) for j in range(slices)] + [("B", 0, j) for j in reversed(range(slices))]
         store = DeferredWeightGrads()
         self.deferred = [] if weights == "in B" else deferrable_linears([layer.inner for layer in layers])
@@ -125,6 +122,10 @@ class SlicedRun:
         from tp_trainer.model.weight_grad import restore
         restore(self.deferred)
         self.graphs.close()
+
+    def split(self, *sequences) -> list[list[torch.Tensor]]:
+        """Each (b, seq_len, ...) tensor cut into this run's slices along dim 1."""
+        return [[t[:, a:a + l] for a, l in self.offsets] for t in sequences]
 
     def step(self, inputs, grads, events=None):
         """Forwards in order, backwards reversed: (outputs, input gradients); ``events``: per-unit
@@ -189,8 +190,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
         for slices in slice_counts:
             try:
                 run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights)
-                ins = [x[:, a:a + l] for a, l in run.offsets]
-                gs = [gy[:, a:a + l] for a, l in run.offsets]
+                ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
                 if mode_captured and weights != "W per sequence" and kernel == "cudnn":
                     samples.setdefault(weights, []).extend(unit_samples(run, ins, gs))
@@ -234,8 +234,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
 
 def _sliced(layers, ctx, params, hidden, seq_len, slices, device, dtype, x, gy):
     run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, False)
-    ins = [x[:, a:a + l] for a, l in run.offsets]
-    gs = [gy[:, a:a + l] for a, l in run.offsets]
+    ins, gs = run.split(x, gy)
     return lambda: run.step(ins, gs)
 
 

@@ -54,8 +54,7 @@ def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B"
     for p in params:
         p.grad = torch.zeros_like(p)
     run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights)
-    ins = [x[:, a:a + l].to(dtype) for a, l in run.offsets]
-    gs = [gy[:, a:a + l].to(dtype) for a, l in run.offsets]
+    ins, gs = run.split(x.to(dtype), gy.to(dtype))
     if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
         run.graphs.zero_grads()
     outs, in_grads = run.step(ins, gs)

@@ -41,7 +41,7 @@ from .plan import SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
-from .schedule.calls import receive_posts
+from .schedule.calls import posts_before
 from .schedule.tail import LocalStep, LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
 
 
@@ -133,9 +133,7 @@ class TeraPipeEngine(PipelineEngine):
         if self.module.training:
             self.tput_timer.start()
         self._instructions = [instruction for step in pipe_schedule for instruction in step]
-        posts = {}   # instruction index -> the receives posted just before it runs (schedule/calls.py)
-        for receive, position in receive_posts(self._instructions).items():
-            posts.setdefault(max(position, 0), []).append(receive)
+        posts = posts_before(self._instructions)   # index -> the receives posted just before it runs
         self._transfers = Transfers()
         for self._position, instruction in enumerate(self._instructions):
             for receive in posts.get(self._position, ()):

@@ -178,7 +178,6 @@ class UnitGraphs:
         """Unit (m, j)'s output for input ``x`` (captured: the static output, valid until its next
         forward)."""
         self._next(("F", m, j))
-        static = self.inputs[(m, j)]
         if not self.captured:   # eager: a fresh leaf per step, the K/V of microbatch m anew at slice 0
             if j == 0:
                 self.kv[m] = SequenceKV(self.seq_len)
@@ -186,7 +185,7 @@ class UnitGraphs:
             self.outputs[(m, j)] = self._run("F", m, j, leaf)
             return self.outputs[(m, j)]
         with torch.no_grad():
-            static.copy_(x)
+            self.inputs[(m, j)].copy_(x)
         self.graphs[("F", m, j)].replay()
         return self.outputs[(m, j)]
 

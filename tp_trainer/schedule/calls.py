@@ -27,8 +27,6 @@ from .instructions import (
     RecvGrad,
     ReduceGrads,
     ReduceTiedGrads,
-    SendActivation,
-    SendGrad,
 )
 from .nccl_model import Call, Wait
 from .orders import build_schedule
@@ -72,34 +70,46 @@ def receive_posts(flat: list, posting: str = "safe") -> dict[int, int]:
     return posts
 
 
+def posts_before(flat: list, posting: str = "safe") -> dict[int, list[int]]:
+    """Instruction index -> the receives (indices, in order) whose irecv is issued just before that
+    instruction runs: ``receive_posts`` by position, what the engine does at each instruction."""
+    posts: dict[int, list[int]] = {}
+    for receive, position in receive_posts(flat, posting).items():
+        posts.setdefault(max(position, 0), []).append(receive)
+    return posts
+
+
+def check_keying(keying: str) -> None:
+    if keying not in ("pair", "group"):
+        raise ValueError(f"keying: {keying!r}; choose pair or group")
+
+
+def p2p_comm(rank: int, peer: int, keying: str) -> str:
+    """The communicator a point-to-point call between ``rank`` and ``peer`` runs on (see ``keying``)."""
+    check_keying(keying)
+    return f"p2p:{min(rank, peer)}-{max(rank, peer)}" if keying == "pair" else "world"
+
+
 def lower(flat: list, stage: int, stages: int, replica: int, replicas: int, posting: str = "safe",
           keying: str = "pair") -> list:
     """One rank's calls for its flattened instructions (see the module docstring)."""
-    if keying not in ("pair", "group"):
-        raise ValueError(f"keying: {keying!r}; choose pair or group")
+    check_keying(keying)
     rank = replica * stages + stage
 
     def p2p(ins, kind: str) -> Call:
         peer = replica * stages + ins.peer_stage
-        comm = f"p2p:{min(rank, peer)}-{max(rank, peer)}" if keying == "pair" else "world"
-        return Call(kind, comm, f"{ins}", peer=peer)
+        return Call(kind, p2p_comm(rank, peer, keying), f"{ins}", peer=peer)
 
-    posts = receive_posts(flat, posting)
-    by_position: dict[int, list[int]] = {}
-    for index, position in posts.items():
-        by_position.setdefault(position, []).append(index)
-    calls = [p2p(flat[i], "recv") for i in by_position.get(-1, [])]
-    sends = []
+    posts = posts_before(flat, posting)
+    calls, sends = [], []
     tied = stage in (0, stages - 1)
     for index, ins in enumerate(flat):
-        calls += [p2p(flat[i], "recv") for i in by_position.get(index, []) if i != index]
+        calls += [p2p(flat[i], "recv") for i in posts.get(index, ())]
         kind = type(ins)
         if ins.is_send:
             calls.append(p2p(ins, "send"))
             sends.append(str(ins))
         elif kind in RECEIVES:
-            if posts[index] == index:
-                calls.append(p2p(ins, "recv"))
             calls.append(Wait(str(ins)))
         elif kind in (ReduceTiedGrads, TiedReduceStart) and tied and stages > 1:
             calls.append(Call("collective", f"tied{replica}", f"{ins}"))
@@ -123,8 +133,7 @@ def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pa
     items ``{"label", "kind": "send" | "recv", "peer"}``, ``{"label", "kind": "collective", "group":
     [ranks]}`` and ``{"wait": label}``. Point-to-point calls keyed as in ``lower``; a collective's
     communicator is its group's ranks ("world" for all of them)."""
-    if keying not in ("pair", "group"):
-        raise ValueError(f"keying: {keying!r}; choose pair or group")
+    check_keying(keying)
     programs = {}
     for rank, items in records.items():
         program = []
@@ -137,7 +146,6 @@ def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pa
                 program.append(Call("collective", comm, item["label"]))
             else:
                 peer = item["peer"]
-                comm = f"p2p:{min(rank, peer)}-{max(rank, peer)}" if keying == "pair" else "world"
-                program.append(Call(item["kind"], comm, item["label"], peer=peer))
+                program.append(Call(item["kind"], p2p_comm(rank, peer, keying), item["label"], peer=peer))
         programs[rank] = program
     return programs

@@ -66,11 +66,9 @@ def _keys(calls: dict[int, list]) -> dict[tuple[int, int], tuple]:
             if call.kind == "collective":
                 key = ("collective", call.comm)
             else:
-                src, dst = (rank, call.peer) if call.kind == "send" else (call.peer, rank)
-                key = ("p2p", call.comm, src, dst, call.kind)
-            counts[(rank, key)] += 1
-            base = key[:-1] if key[0] == "p2p" else key
-            keys[(rank, index)] = (*base, counts[(rank, key)])
+                key = ("p2p", call.comm, *((rank, call.peer) if call.kind == "send" else (call.peer, rank)))
+            counts[(rank, key, call.kind)] += 1   # the n-th send r->p matches the n-th receive on p from r
+            keys[(rank, index)] = (*key, counts[(rank, key, call.kind)])
     return keys
 
 
@@ -111,22 +109,16 @@ class _State:
                         queue.append((self.pc[rank],))
                 self.pc[rank] += 1
 
-    def running(self) -> dict[tuple, tuple[int, int]]:
-        """Match key -> (rank, index) of every call at the head of its queue."""
-        heads = {}
-        for (rank, _), queue in self.queues.items():
-            if queue:
-                for index in queue[0]:
-                    heads[(self.keys[(rank, index)], rank)] = (rank, index)
-        return heads
+    def running(self) -> set[tuple]:
+        """(match key, rank) of every call at the head of its queue."""
+        return {(self.keys[(rank, index)], rank) for (rank, _), queue in self.queues.items() if queue
+                for index in queue[0]}
 
     def step(self) -> list[tuple[int, int]]:
         """Complete every head element whose parts can all complete; returns what completed."""
-        heads, members = self.running(), self.members
-        finished = []
-        for (rank, comm), queue in self.queues.items():
-            if queue and all(self._can_complete(rank, i, heads, members) for i in queue[0]):
-                finished.append((rank, comm))
+        heads = self.running()
+        finished = [(rank, comm) for (rank, comm), queue in self.queues.items()
+                    if queue and all(self._can_complete(rank, i, heads) for i in queue[0])]
         completed = []
         for rank, comm in finished:
             for index in self.queues[(rank, comm)].pop(0):
@@ -134,11 +126,22 @@ class _State:
                 completed.append((rank, index))
         return completed
 
-    def _can_complete(self, rank: int, index: int, heads, members) -> bool:
+    def _can_complete(self, rank: int, index: int, heads: set) -> bool:
         call, key = self.calls[rank][index], self.keys[(rank, index)]
         if call.kind == "collective":
-            return all((key, member) in heads for member in members[call.comm])
+            return all((key, member) in heads for member in self.members[call.comm])
         return (key, call.peer) in heads
+
+    def pending_pairs(self) -> set[tuple[int, int, int]]:
+        """(rank, a, b): the rank's calls a < b at the heads of two of its communicators' queues."""
+        pairs = set()
+        for rank in self.calls:
+            heads = [(queue[0][0], comm) for (r, comm), queue in self.queues.items() if r == rank and queue]
+            pairs |= {(rank, a, b) for a, comm_a in heads for b, comm_b in heads if comm_a != comm_b and a < b}
+        return pairs
+
+    def finished(self) -> bool:
+        return all(self.pc[r] == len(p) for r, p in self.calls.items()) and not any(self.queues.values())
 
     def stuck(self) -> dict[int, str]:
         out = {}
@@ -154,17 +157,27 @@ class _State:
         return out
 
 
-def check(calls: dict[int, list], max_rows: int = 60) -> int:
-    """Run the model; returns the rounds it took, or raises ``NcclHang`` with the grid."""
-    state, rows = _State(calls), []
+def _simulate(calls: dict[int, list], after_issue=None) -> tuple[_State, list[list[tuple[int, int]]]]:
+    """Rounds of issuing and completing until nothing completes: (final state, what each round
+    completed). ``after_issue(state)`` sees the state after each round's issuing."""
+    state, rounds = _State(calls), []
     while True:
         state.issue()
+        if after_issue is not None:
+            after_issue(state)
         completed = state.step()
         if not completed:
-            break
-        rows.append({rank: ", ".join(calls[rank][i].label for r, i in completed if r == rank) for rank in calls})
-    if all(state.pc[r] == len(p) for r, p in calls.items()) and not any(state.queues.values()):
-        return len(rows)
+            return state, rounds
+        rounds.append(completed)
+
+
+def check(calls: dict[int, list], max_rows: int = 60) -> int:
+    """Run the model; returns the rounds it took, or raises ``NcclHang`` with the grid."""
+    state, rounds = _simulate(calls)
+    if state.finished():
+        return len(rounds)
+    rows = [{rank: ", ".join(calls[rank][i].label for r, i in completed if r == rank) for rank in calls}
+            for completed in rounds]
     ranks = sorted(calls)
     stuck = state.stuck()
     width = max([12, *(len(cell) for row in rows[-max_rows:] for cell in row.values()), *map(len, stuck.values())])
@@ -178,17 +191,8 @@ def check(calls: dict[int, list], max_rows: int = 60) -> int:
 def hazards(calls: dict[int, list]) -> list[str]:
     """Pairs of operations one rank has pending on two communicators at once whose matches another
     rank issued in the opposite order (empty: none). Runs the model (which must not hang)."""
-    state, seen = _State(calls), set()
-    while True:
-        state.issue()
-        for rank in calls:
-            heads = [(queue[0][0], comm) for (r, comm), queue in state.queues.items() if r == rank and queue]
-            for a, comm_a in heads:
-                for b, comm_b in heads:
-                    if comm_a != comm_b and a < b:
-                        seen.add((rank, a, b))
-        if not state.step():
-            break
+    seen = set()
+    state, _ = _simulate(calls, lambda now: seen.update(now.pending_pairs()))
     where = {}
     for (rank, index), key in state.keys.items():
         where.setdefault(key, []).append((rank, index))
