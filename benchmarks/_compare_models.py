@@ -211,3 +211,43 @@ def single_step(model, optimizer, data) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def step_order_seconds(engine, runner) -> float:
+    """Seconds of this stage's compute instructions of the engine's schedule, run in its order with
+    the messages left out: random inputs and output gradients, made before the clock starts, stand in
+    for those received. ``runner``: a ``profile.StageRunner`` of the engine's stage (its forward, the
+    loss on the last stage). Every forward's activations and K/V are held until its backward, and the
+    W's run where the schedule places them, as in the step."""
+    import time
+
+    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.schedule.instructions import BackwardSlice, ForwardSlice, WeightGrad
+    plan, ctx, store = engine.plan, engine.slice_context, engine.weight_grads
+    compute = [c for c in engine._train_program.instructions if isinstance(c, (ForwardSlice, BackwardSlice, WeightGrad))]
+    inputs = {(c.microbatch, c.slice): runner.unit_input(plan.microbatch_size, plan.slices[c.slice])
+              for c in compute if isinstance(c, ForwardSlice)}
+    grads = {key: torch.randn(*x.shape[:2], runner.hidden, device=runner.device, dtype=runner.dtype)
+             for key, x in inputs.items()}
+    kv = {m: SequenceKV(runner.seq_len) for m in range(plan.microbatches)}
+    outputs, start = {}, time.perf_counter()
+    for cmd in compute:
+        m, j = cmd.microbatch, cmd.slice
+        if isinstance(cmd, WeightGrad):
+            if store is not None:
+                store.flush((m, j))
+            continue
+        ctx.begin(kv[m], plan.offsets[j], plan.slices[j])
+        if isinstance(cmd, ForwardSlice):
+            outputs[(m, j)] = runner.forward(inputs.pop((m, j)))
+            continue
+        if store is not None:
+            store.unit = (m, j)  # as the engine's BackwardSlice: the deferred layers keep (x, dy) for W
+        out = outputs.pop((m, j))
+        out.backward(None if out.dim() == 0 else grads[(m, j)])
+        if store is not None:
+            store.unit = None
+    seconds = time.perf_counter() - start
+    if store is not None:
+        store.flush()  # nothing is left where every B had its W
+    return seconds

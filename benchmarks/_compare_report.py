@@ -57,7 +57,6 @@ def summarize_run(args, res: dict) -> dict:
             "load_max": max(res["load_1min"]), "timeline": res["timeline"], "simulated": res.get("simulated"),
             "profile_load": res.get("profile_load"), "splits": res.get("splits", {}),
             "predicted_s": res["predicted_s"], "slices": res["slices"],
-            "calibrated_s": res.get("calibrated_s", {}), "calibration": res.get("calibration", {}),
             "first_loss": {n: res["losses"][n][0] for n in res["names"]},
             "whole_over_cut_paired": statistics.median(w / c for w, c in zip(steps[WHOLE], steps[C], strict=True))
             if WHOLE in steps else None, "c_over_a_by_turn": _by_turn(steps, res["ranks"][0].get("follows"))}
@@ -126,7 +125,6 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                  f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]
                 if last.get("whole_over_cut_paired") else []),
               *_turn_lines(runs), _probe_line(last), _timeline_line(last), _prediction_line(last),
-              *([f"{C}, last run: {last['calibration'][C]}"] if C in last.get("calibration", {}) else []),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "
                f"(this benchmark itself keeps ~{k} busy); wall time {wall_s:.0f} s"
@@ -179,31 +177,27 @@ def _turn_lines(runs: list[dict]) -> list[str]:
     return ["(c)/(a) by a step's place in its turn, median (min-max) over runs: " + "; ".join(parts)]
 
 
-def _predicted_error(run: dict, name: str, key: str = "predicted_s"):
-    """The run's prediction of ``name``'s step against its measured median, as a fraction (None
-    without one); ``key`` "calibrated_s": the start-up calibrated prediction (planner/calibrate.py)."""
-    pred = run.get(key, {}).get(name)
+def _predicted_error(run: dict, name: str):
+    """The run's prediction of ``name``'s step (the cost model's) against its measured median, as a
+    fraction (None without one)."""
+    pred = run.get("predicted_s", {}).get(name)
     return None if pred is None else pred / run["median_s"][name] - 1
 
 
 def _prediction_goal(runs: list[dict]) -> bool:
-    """Each run's calibrated (c) prediction, made at that run's start-up, against that run's measured
-    median step: the median of these errors within 10%, as every goal takes the median of runs.
-    Runs without calibration (older results, ``terapipe.calibrate`` off) are judged by the profile's
-    prediction."""
-    errors = [_predicted_error(r, C, "calibrated_s") if r.get("calibrated_s", {}).get(C) is not None
-              else _predicted_error(r, C) for r in runs]
+    """Each run's (c) prediction against that run's measured median step: the median of these errors
+    within 10%, as every goal takes the median of runs."""
+    errors = [_predicted_error(r, C) for r in runs]
     return None not in errors and abs(statistics.median(errors)) <= 0.10
 
 
 def _prediction_errors(runs: list[dict]) -> str:
-    """Each run's errors: calibrated and profile-only predictions against the run's median."""
+    """Each run's prediction error against the run's median."""
     def pct(e):
         return "n/a" if e is None else f"{100 * e:+.1f}%"
-    calibrated = [_predicted_error(r, C, "calibrated_s") for r in runs]
-    median = "" if None in calibrated else f"median {100 * statistics.median(calibrated):+.1f}%; "
-    return (f"{median}per run, calibrated at start-up / from the profile alone: "
-            + ", ".join(f"{pct(e)} / {pct(_predicted_error(r, C))}" for e, r in zip(calibrated, runs)))
+    errors = [_predicted_error(r, C) for r in runs]
+    median = "" if None in errors else f"median {100 * statistics.median(errors):+.1f}%; "
+    return f"{median}per run: " + ", ".join(pct(e) for e in errors)
 
 
 def _probe_line(run: dict) -> str:

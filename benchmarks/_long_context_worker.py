@@ -176,7 +176,7 @@ def plan_of(engine) -> dict:
     if budget:
         out["predicted_peak_gib"] = budget["predicted_mb"] / 1024
         out["limit_gib"] = budget["limit_mb"] / 1024
-    text = getattr(engine, "plan_report", None) or ""
+    text = engine.run_plan.report or ""
     if "memory-aware plan" in text:
         out["report"] = text[text.index("memory-aware plan"):]
     for line in text.splitlines():

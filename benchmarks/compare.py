@@ -10,7 +10,7 @@ Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens
       so ``batch`` microbatches (the most the batch allows), each stage running whole sequences;
   (b) TeraPipe, "uniform:N" slices;  (c) TeraPipe, slices from the DP on a profile of this machine
       (``--budget`` s per stage; or ``--cost_model``), stages split by measured cost, a block cut
-      between attention and MLP where that balances better; (c') with ``--whole_blocks``: the same
+      between attention and MLP where that balances better (terapipe.split_blocks); (c') with ``--whole_blocks``: the same
       cost model, the stages split between whole blocks only (terapipe.split_blocks false);
   (d) one process, the whole HF model, no pipeline, one sequence at a time with gradient accumulation
       (microbatch size 1 like the others): the ideal K-stage step time is (d) / K;
@@ -24,9 +24,8 @@ model, so (c) keeps its plan), and every figure is the median over runs with the
 Step time of a pipelined step = the slowest rank's wall time from the barrier to the end of
 ``train_batch``. The figure to steer by is (c)/(a) throughput (its limit is K); beside it (c)'s
 efficiency against (a)/K, (d)/K and a stage probe (each stage's units of (c)'s plan, alone and with
-all ranks at once; unit by unit, and in (c)'s schedule order), the cost model's predicted time and (c)'s
-calibrated one (``terapipe.calibrate``: made at each run's start-up), the first step's
-loss of every variant (they train the same thing), the goals as met / not met (_compare_report.py),
+all ranks at once; unit by unit, and in (c)'s schedule order), the cost model's predicted time, the first
+step's loss of every variant (they train the same thing), the goals as met / not met (_compare_report.py),
 and a Gantt chart of one (c) step (the median of 3) beside the simulator's prediction, with each
 stage's busy time per instruction kind and its step tail. Writes ``--out``.{md,json} and
 ``--out``_timeline.png.
@@ -169,13 +168,9 @@ def write_result(args, engines, names, gathered, losses, everyone, load, recorde
     tail = {stage: _tail_after_compute(everyone, stage_boxes) for stage, stage_boxes in sorted(boxes.items())}
     splits = {name: " | ".join(" ".join(n) for n in engines[name].module.stage_split.names)
               for name in (C, WHOLE) if name in engines}
-    calibrated = {name: engines[name].calibration for name in (C, WHOLE)
-                  if name in engines and engines[name].calibration is not None}
     result = {"names": names, "ranks": gathered, "losses": losses, "slices": slices, "predicted_s": predicted_s,
-              "calibrated_s": {name: c.predicted for name, c in calibrated.items()},
-              "calibration": {name: c.describe() for name, c in calibrated.items()},
               "splits": splits,
-              "plan_report": engines[C].plan_report, "load_1min": load, "profile_load": args.profile_load,
+              "plan_report": engines[C].run_plan.report, "load_1min": load, "profile_load": args.profile_load,
               "timeline": {"step_s": span, "busy_s": {str(k): v for k, v in busy.items()},
                            "tail_s": {str(k): v for k, v in tail.items()},
                            "end_s": max(end for *_, end in everyone), "wall_s": recorded_wall,
@@ -244,7 +239,7 @@ def stage_probe(engine, args, most: int = 7, least: int = 3, budget_s: float = 2
     import torch
     import torch.distributed as tdist
 
-    from tp_trainer.planner.calibrate import step_order_seconds
+    from _compare_models import step_order_seconds
     from tp_trainer.planner.profile import StageRunner
     runner = StageRunner(engine.module, engine.slice_context, args.n_embd, args.seq_len)
     plan = engine.plan

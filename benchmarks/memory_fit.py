@@ -82,7 +82,7 @@ def rss_kinds() -> dict:
 
 def _chosen(engine) -> str:
     """The plan report's chosen line (memory_plan.table's "->" row), or ""."""
-    for text in (engine.plan_report or "").splitlines():
+    for text in (engine.run_plan.report or "").splitlines():
         if text.startswith("->"):
             return " ".join(text[2:].split())
     return ""

@@ -108,8 +108,8 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     losses, exact_losses = [], []
     for step in range(steps):
         losses.append(float(engine.train_batch(iter(batches(step, replica)))))
-        if engine.is_last_stage():  # this replica's mean loss, before DeepSpeed's fp32 broadcast
-            exact_losses.append(float(engine.dp_group_loss))
+        if engine.is_last_stage():  # this replica's mean loss (train_batch averages the replicas')
+            exact_losses.append(float(sum(engine.fwd_outputs) / engine.micro_batches))
     params = {n: p.detach().clone() for n, p in named.items()}
     eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
     if export is not None:

@@ -71,7 +71,7 @@ def private_uses(source: str, names: set[str], allowed: set[str]) -> list[tuple[
 
 def test_only_ds_compat_touches_private_deepspeed_members():
     """Elsewhere in the package a private DeepSpeed member is reached through ds_compat; calling one of
-    our own overrides by name (``self._exec_schedule``) is fine."""
+    our own overrides by name (``self._partition_layers``) is fine."""
     names, overrides = deepspeed_private_names(), {t.member for t in OVERRIDES}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -103,8 +103,8 @@ def _touch(member, **changes):
 
 
 def test_a_missing_member_is_reported_by_name():
-    problems = check_touch(_touch("_bcast_pipe_scalar"), FakeEngine)
-    assert problems == ["PipelineEngine._bcast_pipe_scalar: FakeEngine has no member '_bcast_pipe_scalar'"]
+    problems = check_touch(_touch("_exec_optimizer_step"), FakeEngine)
+    assert problems[0] == "PipelineEngine._exec_optimizer_step: FakeEngine has no member '_exec_optimizer_step'"
 
 
 def test_a_changed_signature_is_reported():
@@ -132,17 +132,17 @@ def test_an_instance_attribute_whose_setter_is_gone_is_reported():
 
 def test_an_override_deepspeed_no_longer_calls_or_we_dropped_is_reported():
     class Base:
-        def train_batch(self):
-            return self._exec_schedule_v2(self._train_schedule())
+        def __init__(self):
+            self.partition()
 
-        def _exec_schedule(self, pipe_schedule):
+        def _partition_layers(self, method):
             pass
 
     class Ours(Base):
         pass
-    problems = check_override(_touch("_exec_schedule"), Ours, Base)
-    assert any("no longer contains `self._exec_schedule(sched)`" in p for p in problems)
-    assert any("Ours no longer overrides '_exec_schedule'" in p for p in problems)
+    problems = check_override(_touch("_partition_layers"), Ours, Base)
+    assert any("no longer contains `self._partition_layers(method=partition_method)`" in p for p in problems)
+    assert any("Ours no longer overrides '_partition_layers'" in p for p in problems)
 
 
 def test_an_unknown_owner_is_reported():
@@ -154,8 +154,8 @@ def test_an_unknown_owner_is_reported():
 
 def test_the_scan_finds_a_private_member_outside_ds_compat():
     names = deepspeed_private_names()
-    planted = "def step(engine):\n    engine._exec_optimizer_step()\n    engine._exec_schedule([])\n"
-    assert private_uses(planted, names, {"_exec_schedule"}) == [(2, "_exec_optimizer_step")]
+    planted = "def step(engine):\n    engine._exec_optimizer_step()\n    engine._partition_layers('x')\n"
+    assert private_uses(planted, names, {"_partition_layers"}) == [(2, "_exec_optimizer_step")]
 
 
 def test_throughput_timer_never_synchronizes(monkeypatch):

@@ -126,3 +126,37 @@ def test_checker_finds_a_planted_cycle(tmp_path):
     assert find_cycle(import_graph(module_files(pkg, "pkg"))) is None
     (pkg / "b.py").write_text("x = 1\ndef f():\n    from . import d\n")   # a -> b -> d -> a, lazily
     assert find_cycle(import_graph(module_files(pkg, "pkg"))) == ["pkg.a", "pkg.b", "pkg.d", "pkg.a"]
+
+
+# The planner is a pipeline of values, each module using only those before it: measured costs
+# (cost_model, profile) -> TeraPipe's DP (dp) -> the predicted step (predict) -> the report (report) ->
+# memory (memory_model, memory_plan) -> the split and slices together (layer_cost) -> the run's entry
+# (auto) -> the command line (cli). Nothing in it reaches back up into the run (checks, initialize,
+# engine, run).
+PLANNER_LAYERS = ["cost_model", "profile", "dp", "predict", "report", "memory_model", "memory_plan", "layer_cost",
+                  "auto", "cli", "__main__"]
+RUN_MODULES = {"tp_trainer.checks", "tp_trainer.initialize", "tp_trainer.engine", "tp_trainer.run"}
+
+
+def layering_violations(graph: dict[str, set[str]], package: str, layers: list[str], above: set[str]) -> list[str]:
+    """Imports from a module of ``package`` to one at its level or later in ``layers``, or into ``above``."""
+    order = {f"{package}.{name}": k for k, name in enumerate(layers)}
+    found = []
+    for module, level in order.items():
+        for target in sorted(graph.get(module, ())):
+            if target in above or (target in order and order[target] >= level):
+                found.append(f"{module} imports {target}")
+    return found
+
+
+def test_the_planner_flows_one_way():
+    graph = import_graph(module_files())
+    planner = {name.rpartition(".")[2] for name in graph if name.startswith("tp_trainer.planner.")}
+    assert planner == set(PLANNER_LAYERS), "place every planner module in PLANNER_LAYERS"
+    assert layering_violations(graph, "tp_trainer.planner", PLANNER_LAYERS, RUN_MODULES) == []
+
+
+def test_layering_check_finds_an_upward_import():
+    graph = {"p.dp": {"p.report"}, "p.report": {"p.dp"}, "p.cli": {"run"}}
+    assert layering_violations(graph, "p", ["dp", "report", "cli"], {"run"}) == [
+        "p.dp imports p.report", "p.cli imports run"]

@@ -93,13 +93,13 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
     assert not (tmp_path / "run").exists()
 
 
-def launch(tmp_path, *flags, config=TINY):
+def launch(tmp_path, *flags, config=TINY, env=None):
     """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log (conftest
     removes the CPU all-reduce buffers DeepSpeed leaves in /dev/shm, tp_trainer/ds_compat/shm.py)."""
     from multirank import free_port
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", config, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
@@ -113,11 +113,26 @@ def logged(log: str, pattern: str) -> list[float]:
 needs_launcher = pytest.mark.requires_command("deepspeed")  # conftest: a failure under CI=true
 
 
+# The project files one steady-state training step runs, outside the model's layers (tp_trainer/model/):
+# the loop, the engine, the transfers, the DeepSpeed seam, the data and the memory hooks. At most 6;
+# docs/ARCHITECTURE.md lists them.
+STEP_FILES = {"tp_trainer/run.py", "tp_trainer/engine.py", "tp_trainer/p2p.py", "tp_trainer/ds_compat/__init__.py",
+              "tp_trainer/data/packing.py", "tp_trainer/memory.py"}
+
+
 @needs_launcher
 def test_launcher_trains_two_stages(tmp_path):
-    out = tmp_path / "run"
+    """The main job: it trains, writes its plan, its log and DeepSpeed's CSV monitor events, each rank says
+    where it runs; its step 5 (steady state) runs code from at most 6 project files outside the layers."""
+    from small_run import fault_env
+    out, files = tmp_path / "run", tmp_path / "files"
+    files.mkdir()
+    config = json.load(open(TINY))
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "tiny"}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    env = fault_env(dict(os.environ, TP_TEST_STEP_FILES=str(files)), "step_files:5")
     log = launch(tmp_path, "--max_steps", "8", "--eval_interval", "8", "--eval_batches", "1",
-                 "--output_dir", str(out), "--no_save_hf")
+                 "--output_dir", str(out), "--no_save_hf", config=str(tmp_path / "ds.json"), env=env)
     losses = logged(log, r"step \d+ loss ([\d.]+)")
     assert len(losses) == 8, log[-3000:]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -129,6 +144,17 @@ def test_launcher_trains_two_stages(tmp_path):
         cores, why = share(sorted(os.sched_getaffinity(0)), machine_cpus(), rank, 2)
         said = f"local rank {rank} of 2 bound to cores {cores_text(cores)}" if cores else why
         assert re.search(rf"\[rank {rank}\] [\d:]+ cpu: .*{re.escape(said)}", log), log[-3000:]
+    csv = {name: (tmp_path / "csv" / "tiny" / f"{name}.csv").read_text().splitlines()
+           for name in ("Train_Samples_train_loss", "Train_Samples_lr", "Validation_loss")}
+    rows = [line.split(",") for line in csv["Train_Samples_train_loss"][1:]]
+    assert [int(r[0]) for r in rows] == [8 * k for k in range(1, 9)], csv   # global samples after each step
+    assert [round(float(r[1]), 4) for r in rows] == [round(x, 4) for x in losses], (rows, losses)
+    assert len(csv["Train_Samples_lr"]) == 9 and len(csv["Validation_loss"]) == 3, csv
+    for rank in (0, 1):
+        ran = {os.path.relpath(f, REPO) for f in (files / f"rank{rank}.txt").read_text().split()
+               if os.path.abspath(f).startswith(os.path.join(REPO, "tp_trainer") + os.sep)}
+        outside = {f for f in ran if not f.startswith("tp_trainer/model/")}
+        assert outside <= STEP_FILES and len(STEP_FILES) <= 6, (rank, sorted(outside - STEP_FILES))
 
 
 def stdlib_text(*packages: str) -> str:
@@ -166,7 +192,6 @@ def test_auto_slices_config(tmp_path):
     log = launch(tmp_path, "--max_steps", "1", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
                  "--output_dir", str(out), config=os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"))
     assert 'slice planner (terapipe.slices "auto")' in log and "predicted iteration" in log
-    assert re.search(r"calibration \(each stage's compute .* predicted step [\d.]+ s calibrated", log), log[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
     assert "uniform:" in (out / "plan.txt").read_text()

@@ -92,11 +92,12 @@ def test_safe_posting_passes(name, stages, microbatches, slices, replicas, w, ke
 
 @pytest.mark.parametrize("keying", ["pair", "group"])
 @pytest.mark.parametrize("name,stages,microbatches,slices,replicas,w", CASES[::3])
-def test_safe_posting_with_the_overlapped_tail_passes(name, stages, microbatches, slices, replicas, w, keying):
-    """The engine's schedules (overlapped tail: tied all-reduce and loss broadcast posted after the
-    stage's last transfer) under the model: no hang, no two communicators in opposite orders."""
+def test_safe_posting_with_the_step_collectives_passes(name, stages, microbatches, slices, replicas, w, keying):
+    """The engine's schedules with the step's collectives (tied all-reduce, data-parallel reduction,
+    clipping norm, then the loss broadcast after the last send) under the model: no hang, no two
+    communicators in opposite orders."""
     calls = pipeline_calls(name, stages, microbatches, slices, replicas, posting="safe", keying=keying,
-                           split_weight_grads=w, overlap_tail=True)
+                           split_weight_grads=w)
     check(calls)
     assert hazards(calls) == []
 

@@ -26,6 +26,9 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "slice": [16]}, r"unknown key\(s\) \['slice'\]"),
     ({"seq_len": 16, "defer_weight_grads": "yes"}, r"terapipe.defer_weight_grads: must be true or false, got 'yes'"),
     ({"seq_len": 16, "split_blocks": 1}, r"terapipe.split_blocks: must be true or false, got 1"),
+    ({"seq_len": 16, "share_halves": "no"}, r"terapipe.share_halves: must be true or false, got 'no'"),
+    ({"seq_len": 16, "calibrate": True}, r"terapipe.calibrate: no longer exists \(the start-up calibration .*\); "
+                                          r"delete the key"),
 ])
 def test_bad_terapipe_section(section, message):
     with pytest.raises(ConfigError, match=message):

@@ -216,8 +216,7 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config).train()
 
 
-def test_profile_real_layers_leaves_model_unchanged(tmp_path):
-    from tp_trainer.planner.auto import auto_plan
+def test_profile_real_layers_leaves_model_unchanged():
     from tp_trainer.planner.cli import stage_layers
     from tp_trainer.planner.profile import profile_stage
     model = tiny_gpt2()
@@ -228,13 +227,6 @@ def test_profile_real_layers_leaves_model_unchanged(tmp_path):
         assert len(stage.samples) >= len(FEATURES) and stage.total(1, 8, 56) > 0
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
-    path, out = tmp_path / "cost.json", tmp_path / "run"
-    plan, text = auto_plan(layers[0], 64, 2, 1, granularity=8, time_budget_s=1.0, cost_model_path=str(path),
-                           save_dir=str(out), stage_id=0, hidden=32, slice_context=ctx)
-    assert path.is_file() and (out / "plan.json").is_file() and "uniform:4" in text
-    plan, _ = auto_plan(layers[0], 64, 2, 1, microbatch_size=1, cost_model_path=str(path), stage_id=0,
-                        slice_context=ctx)  # reads the saved model: no profiling
-    assert tuple(plan.microbatch_sizes) == (1, 1) and sum(plan.slices[0]) == 64 and plan.predicted_time > 0
 
 
 def test_cli_plans_from_a_cost_model(tmp_path, capsys):

@@ -173,10 +173,10 @@ def test_resume_onto_and_from_a_shared_half(reference, tmp_path):
     the reference's own layout. Every step and the final weights equal the unbroken run's."""
     middle, shared = 15, tmp_path / "shared"
     copy_checkpoint(reference, shared, f"step{SAVED}")
-    config = config_variant(tmp_path, "shared", terapipe={"slices": "auto", "cost_model": shared_cost_model(tmp_path)})
+    config = config_variant(tmp_path, "shared", terapipe={"slices": "auto", "cost_model": shared_cost_model(tmp_path),
+                                                                "share_halves": True})
     log = launch(2, config, shared, "--max_steps", str(middle), "--save_interval", "5", "--no_save_hf", "--resume")
     assert "h.2.mlp shared by stages 0 and 1" in log, log[-3000:]
-    assert "calibration (each stage's compute" in log, log[-3000:]  # it ran, and changed no step (below)
     assert f"resumed from step{SAVED} at step {SAVED} ({SAVED * 4} samples consumed, layout-free)" in log, log[-3000:]
     back = tmp_path / "back"
     copy_checkpoint(shared, back, f"step{middle}")

@@ -82,9 +82,7 @@ def test_examples_from_the_design():
     assert parse_instruction("1STEP") == OptimizerStep(1)
     assert parse_instruction("1W0.3") == WeightGrad(1, 0, 3) and str(WeightGrad(1, 0, 3)) == "1W0.3"
     assert set(INSTRUCTION_TYPES) == {"LOAD", "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B",
-                                      "REDUCE_TIED", "REDUCE", "STEP",
-                                      # schedule/tail.py (tests/test_schedule_tail.py)
-                                      "TIED_START", "TIED_WAIT", "STEP_LOCAL", "LOSS_START", "LOSS_WAIT"}
+                                      "REDUCE_TIED", "REDUCE", "STEP"}
 
 
 @pytest.mark.parametrize("text", [

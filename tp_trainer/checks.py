@@ -186,6 +186,10 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int):
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
+    if "layers" not in cost.meta:
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} holds per-stage costs only (written by an "
+                          f"older tp_trainer); the planner now places layers by their measured costs: delete it "
+                          f"to profile again")
     return cost
 
 

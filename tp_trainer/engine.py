@@ -1,26 +1,25 @@
 """TeraPipeEngine: DeepSpeed's PipelineEngine running token-slice schedules.
 
-The engine executes the instructions of a schedule (``tp_trainer.schedule``) through one dispatch
-table and refuses anything else. Everything that is not slicing stays DeepSpeed's: the optimizer
-(ZeRO-1, bf16/fp16), the data-parallel and tied-gradient reductions, checkpoints and monitors.
+The step is ``train_batch``, top to bottom: run this stage's schedule (``tp_trainer.schedule``, built
+once from the plan) through one dispatch table that refuses anything else, take the step's loss,
+report. Everything that is not slicing stays DeepSpeed's: the optimizer step (ZeRO-1, bf16/fp16,
+clipping, LR scheduler, step counters), the data-parallel reduction, checkpoints and monitors.
 Activations and gradients between stages go through ``p2p.Transfers``: non-blocking sends, and
 receives posted ahead (``schedule.calls.receive_posts``: never ahead of an earlier send to the same
 peer, so each rank's calls on a pair's communicator keep the schedule's order, which NCCL needs;
-``schedule/nccl_model.py`` checks every order; the step tail posts its collectives after the last
-transfer, ``schedule/tail.py``).
+``schedule/nccl_model.py`` checks every order). The collectives (tied all-reduce, data-parallel
+reduction, clipping norm, the loss) come after the stage's last transfer, in one order on every stage.
 
-Host synchronizations per step on an accelerator (each found by reading): the clipping norm read
-back once (``clip_fp32_gradients``: ``norm.item()`` for DeepSpeed's reported norm); with fp16, the
-loss scaler's overflow check in DeepSpeed's optimizer step; the loss read back by the caller
-(``float(train_batch(...))`` in ``run.py``). Not per step any more: the input ids and labels reach
-the device through pinned memory without blocking (``to_device``), and DeepSpeed's throughput timer,
-started on every slice, cannot synchronize (``ds_compat.unsynchronized_throughput_timer``).
+Host synchronizations per step on an accelerator: the clipping norm read back once
+(``clip_fp32_gradients``), fp16's overflow check in DeepSpeed's step, the loss read by the caller.
+Inputs reach the device without blocking (``p2p.to_device``); DeepSpeed's throughput timer, started
+on every slice, cannot synchronize (``ds_compat.unsynchronized_throughput_timer``).
 
 Shapes are known on both sides from the plan: slice (m, j) carries an activation of shape
 (microbatch_size, slices[j], hidden) in the compute dtype, so no metadata is exchanged.
 Loss: each slice contributes sum(cross-entropy over its tokens) / (tokens of a microbatch), so a
-microbatch's slices add up to its mean loss; DeepSpeed divides by the number of microbatches and
-averages over replicas, giving the mean over all predicted tokens of the global batch.
+microbatch's slices add up to its mean loss; ``train_batch`` divides by the number of microbatches and
+``step_loss`` averages over replicas, giving the mean over all predicted tokens of the global batch.
 """
 
 from __future__ import annotations
@@ -29,29 +28,20 @@ import time
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import ds_compat
 from .model.head_loss import HeadLossLabels, fuse_head_loss
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import DeferredWeightGrads, defer_stage
-from .p2p import Transfers
-from .plan import SlicePlan
+from .memory import ActivationTracker, current_rss_mb
+from .p2p import Transfers, to_device
+from .plan import RunPlan, SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
-from .schedule.calls import posts_before
-from .schedule.tail import LocalStep, LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
-
-
-def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on ``device`` without synchronizing the host with it: through pinned memory and a
-    non-blocking copy on an accelerator (a copy from pageable memory waits for the device); as it is
-    on the CPU."""
-    if torch.device(device).type == "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+from .schedule.calls import Program
 
 
 class PipelineFailure(RuntimeError):
@@ -67,26 +57,47 @@ def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch
 
 
 class TeraPipeEngine(PipelineEngine):
-    """A PipelineEngine whose unit of work is one token slice of one microbatch."""
+    """A PipelineEngine whose unit of work is one token slice of one microbatch.
 
-    def __init__(self, *args, plan: SlicePlan, schedule: str = "gpipe", hidden_size: int,
-                 defer_weight_grads: bool = False, **kwargs):
+    ``run_plan``: what ``initialize`` decided (slices and microbatching, order, the planner's report,
+    the memory budget), held as ``self.run_plan`` from construction on. The schedule is a pure
+    function of it and of this stage, built once (``self._train_program``); ``train_batch`` runs it.
+    """
+
+    def __init__(self, *args, run_plan: RunPlan, hidden_size: int, defer_weight_grads: bool = False,
+                 track_activations: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        plan = run_plan.slices
         if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
             raise ValueError(f"plan {plan} disagrees with the DeepSpeed config: gradient_accumulation_steps="
                              f"{self.micro_batches}, train_micro_batch_size_per_gpu={self.micro_batch_size}")
         ds_compat.unsynchronized_throughput_timer(self)   # no device synchronization per slice
-        self.plan = plan
-        self.schedule_name = schedule
+        self.run_plan = run_plan
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
-        self.activation_tracker = None  # set to a memory.ActivationTracker to measure activations
+        # saved-tensor hooks measuring activations (memory.py), for the run's memory report
+        self.activation_tracker = ActivationTracker(self.module.parameters()) if track_activations else None
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
-        self._offsets = plan.offsets
-        self._tokens_per_microbatch = plan.microbatch_size * plan.seq_len
+        self._slices, self._offsets = plan.slices, plan.offsets   # tuples: no plan.py code per slice
+        self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         self.weight_grads = self._deferred_weight_grads() if defer_weight_grads else None
+        self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
+                                                     self.micro_batches, plan.num_slices,
+                                                     split_weight_grads=self.weight_grads is not None),
+                                      self._stage_rank)
+        self._eval_programs: dict[int, Program] = {}   # microbatches -> forward-only program
+        self.memory_budget = run_plan.memory_budget and {  # + what the built engine holds before any step
+            **run_plan.memory_budget, "built_mb": current_rss_mb() - run_plan.memory_budget["baseline_mb"]}
         self._reset_step_state()
+
+    @property
+    def plan(self) -> SlicePlan:
+        return self.run_plan.slices
+
+    @property
+    def schedule_name(self) -> str:
+        return self.run_plan.schedule
 
     def _fused_head_loss(self) -> HeadLossLabels | None:
         """On an activation-checkpointed last stage, the LM head and its cross-entropy as one function
@@ -113,31 +124,69 @@ class TeraPipeEngine(PipelineEngine):
         defer_stage(self.module.forward_funcs, store)
         return store
 
-    # ----------------------------------------------------------------------------- schedule
-    def _train_schedule(self, plan: SlicePlan | None = None):
-        """This stage's training schedule for the engine's plan (or ``plan``, same microbatching)."""
-        return build_schedule(self.schedule_name, self.num_stages, self.stage_id, self.micro_batches,
-                              (plan or self.plan).num_slices, split_weight_grads=self.weight_grads is not None,
-                              overlap_tail=True)  # schedule/tail.py
+    # ----------------------------------------------------------------------------- the step
+    def train_batch(self, data_iter=None):
+        """One optimizer step over ``gradient_accumulation_steps`` microbatches of ``data_iter``; returns
+        the mean loss over the global batch's predicted tokens, on every rank (DeepSpeed's contract).
 
-    def use_plan(self, plan: SlicePlan) -> None:
-        """Run ``plan``'s slices from the next step on (the same microbatching: DeepSpeed's batch
-        settings were built from it); what ``terapipe.calibrate`` does when another plan measured faster."""
-        if (plan.seq_len, plan.microbatches, plan.microbatch_size) != (
-                self.plan.seq_len, self.plan.microbatches, self.plan.microbatch_size):
-            raise ValueError(f"use_plan: {plan} changes the microbatching of {self.plan}")
-        self.plan, self._offsets = plan, plan.offsets
+        Top to bottom: the schedule (every slice's forward, backward and W, the transfers, then the
+        tied and data-parallel reductions and DeepSpeed's optimizer step: clipping, optimizer, LR
+        scheduler, ``global_steps`` / ``global_samples``, the LR monitor event), the loss, and what
+        DeepSpeed's own ``train_batch`` reports: the ``steps_per_print`` line, the loss monitor event,
+        the wall-clock timer."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.timers(TRAIN_BATCH_TIMER).start()
+        self._run(self._train_program)
+        with torch.no_grad():
+            self.agg_train_loss = self.step_loss(sum(self.fwd_outputs) / self.micro_batches
+                                                 if self.is_last_stage() else None)
+        self.timers(TRAIN_BATCH_TIMER).stop()
+        self._report_step(self.agg_train_loss)
+        return self.agg_train_loss
 
-    def _exec_schedule(self, pipe_schedule):
+    def step_loss(self, replica_loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss (this replica's mean; None elsewhere) averaged over the replicas and
+        broadcast to every stage, in float64 (exact for an fp32 loss, whole for a float64 model's): every
+        rank returns the same value. Collective over the pipeline and data-parallel groups."""
+        buffer = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.is_last_stage():
+            buffer[0] = replica_loss.detach()
+            if self.is_data_parallel:
+                dist.all_reduce(buffer, group=self.mpu.get_data_parallel_group())
+                buffer /= self.dp_world_size
+        if self.is_pipe_parallel:
+            last = self.grid.stage_to_global(stage_id=self.num_stages - 1)
+            dist.broadcast(buffer, src=last, group=self.grid.get_pipe_parallel_group())
+        return buffer[0]
+
+    def _report_step(self, loss: torch.Tensor) -> None:
+        """DeepSpeed's step reports: every ``steps_per_print`` steps rank 0's line (loss, iteration time,
+        samples/s) and, with ``wall_clock_breakdown``, the batch timer; the loss to the monitors
+        (TensorBoard / W&B / CSV) on rank 0 at every step."""
+        every = self.steps_per_print()
+        if every is not None and self.global_steps % every == 0:
+            seconds = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0 / every
+            if self.global_rank == 0:
+                print(f"steps: {self.global_steps} loss: {float(loss):0.4f} iter time (s): {seconds:0.3f} "
+                      f"samples/sec: {self.train_batch_size() / seconds:0.3f}")
+            if self.wall_clock_breakdown():
+                self.timers.log([TRAIN_BATCH_TIMER])
+        if self.global_rank == 0 and self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
+
+    def _run(self, program: "Program") -> None:
+        """Execute one schedule: each instruction through ``_DISPATCH``, each receive posted just
+        before the instruction ``program.posts`` names; then every send completed."""
         self._reset_step_state()
-        if self.module.training:
-            self.tput_timer.start()
-        self._instructions = [instruction for step in pipe_schedule for instruction in step]
-        posts = posts_before(self._instructions)   # index -> the receives posted just before it runs
-        self._transfers = Transfers()
-        for self._position, instruction in enumerate(self._instructions):
-            for receive in posts.get(self._position, ()):
-                self._post_recv(self._instructions[receive])
+        self._transfers, self._program = Transfers(), program
+        instructions = program.instructions
+        for position, instruction in enumerate(instructions):
+            for receive in program.posts.get(position, ()):
+                self._post_recv(instructions[receive])
             handler = self._DISPATCH.get(type(instruction))
             if handler is None:
                 raise RuntimeError(f"{type(self).__name__} does not understand instruction {instruction!r}")
@@ -149,7 +198,6 @@ class TeraPipeEngine(PipelineEngine):
             if self.timeline is not None:
                 self.timeline.append((str(instruction), start, time.perf_counter()))
         self._transfers.finish(lambda send, err: PipelineFailure(self._failure_message(send, err)))
-        ds_compat.tail.check_done(self)
 
     def _failure_message(self, instruction, err: Exception) -> str:
         """Which rank and stage failed, doing what, and which peer it was talking to."""
@@ -173,7 +221,7 @@ class TeraPipeEngine(PipelineEngine):
         self.fwd_outputs = []
 
     def _slice_shape(self, j: int) -> tuple[int, int, int]:
-        return (self.plan.microbatch_size, self.plan.slices[j], self.hidden_size)
+        return (self.micro_batch_size, self._slices[j], self.hidden_size)
 
     def _compute_dtype(self) -> torch.dtype:
         """dtype of the activations and gradients between stages: bf16 / fp16 when enabled, else
@@ -190,17 +238,11 @@ class TeraPipeEngine(PipelineEngine):
 
         DeepSpeed's fp32 path sums squared norms over the tensor-parallel group only, so each
         pipeline stage would clip by its own norm. Here the squares are summed over the stages,
-        with a tied weight counted on its first stage only, in float64 (``_squares``). Where
-        ``STEP_LOCAL`` already summed the untied gradients' squares, only the tied ones are added.
+        with a tied weight counted on its first stage only, in float64 (``_squares``).
         """
         params = [p for p in self.module.parameters() if p.grad is not None]
-        duplicates = {id(p) for p in self._tied_duplicates()}
-        counted = [p for p in params if id(p) not in duplicates]
-        local = ds_compat.tail.pop_untied_squares(self)  # STEP_LOCAL summed the untied ones (schedule/tail.py)
-        if local is not None:
-            tied = {id(w) for w in ds_compat.tail.tied_weights(self)}
-            counted = [p for p in counted if id(p) in tied]
-        squares = self._squares([p.grad for p in counted]) + (0.0 if local is None else local)
+        duplicates = {id(p) for p in ds_compat.tied_duplicate_weights(self.module, self.global_rank)}
+        squares = self._squares([p.grad for p in params if id(p) not in duplicates])
         if self.is_pipe_parallel:
             dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
         norm = squares.sqrt()
@@ -214,32 +256,29 @@ class TeraPipeEngine(PipelineEngine):
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return get_total_norm([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads]).square()
 
-    def _tied_duplicates(self):
-        """Tied weights held by this stage that another (lower) stage also holds."""
-        return ds_compat.tied_duplicate_weights(self.module, self.global_rank)
-
     # ----------------------------------------------------------------------------- handlers
     def _exec_load_slice(self, cmd: LoadSlice):
         m, j = cmd.microbatch, cmd.slice
         if m not in self._batches:
             if m != self._next_microbatch:
                 raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
-            input_ids, labels = ds_compat.next_batch(self)
+            batch = next(self.data_iterator)   # DeepSpeed's data iterator, and its batch_fn if one is set
+            input_ids, labels = self.batch_fn(batch) if self.batch_fn else batch
             self._batches[m] = (to_device(input_ids, self.device), to_device(labels, self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
-        window = slice(self._offsets[j], self._offsets[j] + self.plan.slices[j])
+        window = slice(self._offsets[j], self._offsets[j] + self._slices[j])
         if self.is_first_stage():
             self._inputs[(m, j)] = input_ids[:, window]
         if self.is_last_stage():
             self._labels[(m, j)] = labels[:, window]
-        if j == self.plan.num_slices - 1:
+        if j == len(self._slices) - 1:
             del self._batches[m]
 
     def _exec_forward_slice(self, cmd: ForwardSlice):
         m, j = cmd.microbatch, cmd.slice
-        kv = self._kv.setdefault(m, SequenceKV(self.plan.seq_len))
-        self.slice_context.begin(kv, self._offsets[j], self.plan.slices[j])
+        kv = self._kv.setdefault(m, SequenceKV(self._seq_len))
+        self.slice_context.begin(kv, self._offsets[j], self._slices[j])
         if self.head_loss is not None:
             self.head_loss.labels = self._labels[(m, j)]
         if self.activation_tracker is None:
@@ -248,13 +287,13 @@ class TeraPipeEngine(PipelineEngine):
             with self.activation_tracker.track():
                 outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
         training = torch.is_grad_enabled()
-        if not training and j == self.plan.num_slices - 1:
+        if not training and j == len(self._slices) - 1:
             del self._kv[m]  # no backward will need it
         if self.is_last_stage():
             labels = self._labels.pop((m, j))
             loss = (outputs / self._tokens_per_microbatch if self.head_loss is not None
                     else slice_loss(outputs, labels, self._tokens_per_microbatch))
-            ds_compat.record_slice_loss(self, loss, training)
+            self.fwd_outputs.append(loss.detach())   # train_batch / eval_batch sum them
             if training:
                 self._losses[(m, j)] = loss
         else:
@@ -263,8 +302,11 @@ class TeraPipeEngine(PipelineEngine):
     # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
     # receive was posted when the previous one of its kind completed, or after the last send to the
     # same peer before it, if later (schedule/calls.receive_posts: the order NCCL needs).
+    def _stage_rank(self, stage: int) -> int:
+        return self.grid.stage_to_global(stage_id=stage)
+
     def _peer_rank(self, cmd) -> int:
-        return self.grid.stage_to_global(stage_id=cmd.peer_stage)
+        return self._program.peers[cmd]
 
     def _post_recv(self, cmd) -> None:
         buffer = torch.empty(self._slice_shape(cmd.slice), dtype=self._compute_dtype(), device=self.device)
@@ -288,7 +330,7 @@ class TeraPipeEngine(PipelineEngine):
         m, j = cmd.microbatch, cmd.slice
         # activation checkpointing recomputes this slice's layers inside backward: they must see
         # this slice's context again, not the last one forwarded
-        self.slice_context.begin(self._kv[m], self._offsets[j], self.plan.slices[j])
+        self.slice_context.begin(self._kv[m], self._offsets[j], self._slices[j])
         if self.weight_grads is not None:
             self.weight_grads.unit = (m, j)  # the deferred layers keep (x, dy) for this unit's W
         if self.is_last_stage():
@@ -316,7 +358,7 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         if self.weight_grads is not None and len(self.weight_grads):
             raise RuntimeError(f"{cmd}: weight gradients still deferred; a B has no W before this")
-        ds_compat.reduce_tied_grads(self)
+        ds_compat.reduce_tied_grads(self.module, self.using_bf16_optimizer)
 
     def _exec_reduce(self, cmd: ReduceGrads):
         bf16 = ds_compat.uses_bf16_optimizer(self)
@@ -326,26 +368,6 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_step(self, cmd: OptimizerStep):
         ds_compat.optimizer_step(self)
-
-    def _exec_tied_start(self, cmd: TiedReduceStart):
-        ds_compat.tail.post_tied_reduce(self)
-
-    def _exec_tied_wait(self, cmd: TiedReduceWait):
-        ds_compat.tail.wait_tied_reduce(self)
-
-    def _exec_local_step(self, cmd: LocalStep):
-        ds_compat.tail.local_step(self, self._squares)
-
-    def _exec_loss_start(self, cmd: LossBroadcastStart):
-        ds_compat.tail.post_loss_broadcast(self)
-
-    def _exec_loss_wait(self, cmd: LossBroadcastWait):
-        ds_compat.tail.wait_loss_broadcast(self)
-
-    def _aggregate_total_loss(self):
-        """The loss LOSS_WAIT aggregated (schedule/tail.py), else DeepSpeed's own aggregation."""
-        loss = ds_compat.tail.aggregated_loss(self)
-        return super()._aggregate_total_loss() if loss is None else loss
 
     _DISPATCH = {
         LoadSlice: _exec_load_slice,
@@ -359,8 +381,6 @@ class TeraPipeEngine(PipelineEngine):
         ReduceTiedGrads: _exec_reduce_tied,
         ReduceGrads: _exec_reduce,
         OptimizerStep: _exec_step,
-        TiedReduceStart: _exec_tied_start, TiedReduceWait: _exec_tied_wait, LocalStep: _exec_local_step,
-        LossBroadcastStart: _exec_loss_start, LossBroadcastWait: _exec_loss_wait,
     }
 
     def eval_batch(self, data_iter, num_micro_batches=None, **unused):
@@ -375,13 +395,11 @@ class TeraPipeEngine(PipelineEngine):
         self.module.eval()
         try:
             with torch.no_grad():
-                self._exec_schedule(forward_only(self.num_stages, self.stage_id, micro, self.plan.num_slices))
-            mean = sum(self.fwd_outputs) / micro if self.is_last_stage() else None
-            if mean is not None and self.is_data_parallel:
-                dist.all_reduce(mean, group=self.mpu.get_data_parallel_group())
-                mean /= self.dp_world_size
-            # float64: exact for an fp32 loss, and keeps a float64 model's loss whole
-            return ds_compat.broadcast_loss(self, mean, dtype=torch.float64)
+                if micro not in self._eval_programs:
+                    self._eval_programs[micro] = Program(forward_only(self.num_stages, self.stage_id, micro,
+                                                                      len(self._slices)), self._stage_rank)
+                self._run(self._eval_programs[micro])
+            return self.step_loss(sum(self.fwd_outputs) / micro if self.is_last_stage() else None)
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train(was_training)

@@ -25,6 +25,7 @@ from .failures import together
 from .ds_compat import stage_of_rank
 from .memory import current_rss_mb
 from .model.pipeline import build_pipeline_module
+from .plan import RunPlan
 
 
 def launch_world_size() -> int:
@@ -55,7 +56,7 @@ def init_process_group(dist_init_required=None) -> None:
 
 def initialize(model, config=None, args=None, training_data=None, optimizer=None, lr_scheduler=None,
                collate_fn=None, dist_init_required=None, checkpoint=None, seed=0, spec: PipelineSpec | None = None,
-               split=None):
+               split=None, track_activations: bool = False):
     """Split ``model`` (an HF causal LM) into pipeline stages and build a TeraPipeEngine.
 
     ``config``: the DeepSpeed config (dict or JSON path) with a ``terapipe`` section.
@@ -67,83 +68,56 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     ``split``: the stage boundaries (``model.split.StageSplit``, e.g. ``StageSplit.from_names``; a
     block may be cut into its attention and MLP halves where the family allows it, ``model.halves``).
     Default: with ``"slices": "auto"`` the measured split, else the per-token estimate's.
+    ``track_activations``: the engine measures its activations (``memory.ActivationTracker``).
+    The engine holds what was decided as one value, ``engine.run_plan`` (``plan.RunPlan``).
     Collective. A rank that cannot load its stage's weights stops every rank (``failures.RunStopped``).
     Returns (engine, optimizer, training_dataloader, lr_scheduler) like ``deepspeed.initialize``.
     """
     if spec is None:
         spec = check_pipeline(load_ds_config(config), model.config, launch_world_size())
-    ds_config, terapipe, stages = spec.ds_config, spec.terapipe, spec.stages
+    terapipe, stages = spec.terapipe, spec.stages
     bind_rank_cores(terapipe)
     init_process_group(dist_init_required)
     local_rank, _ = local_ranks()
     device = get_accelerator().device_name(local_rank)
     baseline_mb = current_rss_mb()  # the memory limit counts from here
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
-                               baseline_mb) if measured_split(spec) and split is None else (None, None))
+                               baseline_mb) if terapipe.auto and split is None else (None, None))
     split = layout.split if layout else split
-    ds_config = with_checkpointing(ds_config, layout)
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
              device=device, split=split)
     module = build_pipeline_module(model, stages, split=split)
     if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
         module.activation_checkpoint_interval = int(layout.ckpt[stage_of_rank(module)])
+    ds_config = planned_ds_config(spec.ds_config, layout)
     config_class = DeepSpeedConfig(ds_config, module.mpu())
-    if terapipe.auto:
-        if layout is not None:
-            plan = layout.plan.to_slice_plan()
-        else:
-            plan, report = plan_slices(spec, module, config_class, model.config.hidden_size)
-        ds_config = {**ds_config, "train_micro_batch_size_per_gpu": plan.microbatch_size,
-                     "gradient_accumulation_steps": plan.microbatches}
-        ds_config.pop("train_batch_size", None)  # DeepSpeed derives it from the two above
-        config_class = DeepSpeedConfig(ds_config, module.mpu())
-    else:
-        plan = terapipe.plan(config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu)
+    run_plan = RunPlan(layout.plan.to_slice_plan() if layout else terapipe.plan(
+                           config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu),
+                       layout.schedule if layout and layout.schedule else terapipe.schedule, report,
+                       memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module)))
     deepspeed.set_optimizer_flags(config_class, module)
     engine = TeraPipeEngine(args=args, model=module, optimizer=optimizer,
                             model_parameters=[p for p in module.parameters() if p.requires_grad],
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                            config_class=config_class, plan=plan,
-                            schedule=layout.schedule if layout and layout.schedule else terapipe.schedule,
-                            hidden_size=model.config.hidden_size,
-                            defer_weight_grads=terapipe.defer_weight_grads)
-    engine.plan_report = report
-    engine.calibration = together("checking the plan against the stages' compute", calibrate_plan, engine,
-                                  layout, terapipe)
-    if engine.calibration is not None:
-        engine.plan_report = f"{report}\n{engine.calibration.describe()}"
-        if engine.calibration.chosen:  # another slicing measured faster (same split and microbatching)
-            engine.use_plan(engine.calibration.plan.to_slice_plan())
-    engine.memory_budget = memory_budget(layout, terapipe, baseline_mb, device, stage_of_rank(module))
-    if engine.memory_budget:  # what the built engine holds before any step (parameters, buffers, ...)
-        engine.memory_budget["built_mb"] = current_rss_mb() - baseline_mb
+                            config_class=config_class, run_plan=run_plan, hidden_size=model.config.hidden_size,
+                            defer_weight_grads=terapipe.defer_weight_grads, track_activations=track_activations)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def calibrate_plan(engine, layout, terapipe):
-    """``terapipe.calibrate``: the measured layout's plan checked against each stage's compute
-    (``planner.calibrate``); None where it does not apply (no measured layout, a memory limit, or
-    weight gradients not deferred: see the config field). Collective."""
-    if layout is None or not terapipe.calibrate or layout.ckpt is not None or engine.weight_grads is None:
-        return None
-    from .planner.calibrate import calibrate
-    return calibrate(engine, layout.cost, layout.plan, shared_after=layout.split.shared_after)
-
-
-def measured_split(spec: PipelineSpec) -> bool:
-    """``"slices": "auto"`` places the layers by measured cost, unless its cost-model file predates
-    per-layer costs (it then keeps the per-token estimate's split and the file's stage costs)."""
-    return spec.terapipe.auto and (spec.cost is None or "layers" in spec.cost.meta)
-
-
-def with_checkpointing(ds_config: dict, layout) -> dict:
-    """With a memory-aware layout the planner owns activation checkpointing: DeepSpeed's interval 0
-    (each stage's module gets its own), non-reentrant checkpoints."""
-    if layout is None or layout.ckpt is None:
+def planned_ds_config(ds_config: dict, layout) -> dict:
+    """The DeepSpeed config the engine runs: with a measured layout, its microbatching (DeepSpeed
+    derives ``train_batch_size``) and, where the planner chose checkpointing per stage, DeepSpeed's
+    interval 0 (each stage's module gets its own) with non-reentrant checkpoints."""
+    if layout is None:
         return ds_config
-    pipeline = {**ds_config.get("pipeline", {}), "activation_checkpoint_interval": 0, "use_reentrant": False}
-    return {**ds_config, "pipeline": pipeline}
+    plan = layout.plan.to_slice_plan()
+    ds_config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
+    ds_config.update(train_micro_batch_size_per_gpu=plan.microbatch_size, gradient_accumulation_steps=plan.microbatches)
+    if layout.ckpt is not None:
+        ds_config["pipeline"] = {**ds_config.get("pipeline", {}), "activation_checkpoint_interval": 0,
+                                 "use_reentrant": False}
+    return ds_config
 
 
 def memory_limit_bytes(terapipe, device) -> float | None:
@@ -198,20 +172,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     fixed_micro = None if terapipe.microbatches == "auto" else micro
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
-                memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks)
+                memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
+                terapipe.share_halves)
 
-
-def plan_slices(spec: PipelineSpec, module, config_class, hidden: int):
-    """``"slices": "auto"``: profile every stage (or use the cost model the checks read), plan on
-    rank 0 with TeraPipe's DP, broadcast. Returns (SlicePlan, report text). Collective."""
-    from .planner.auto import auto_plan
-    terapipe, stages = spec.terapipe, spec.stages
-    micro = config_class.train_micro_batch_size_per_gpu
-    batch = micro * config_class.gradient_accumulation_steps  # sequences per step per replica
-    fixed_micro = None if terapipe.microbatches == "auto" else micro
-    planned, report = auto_plan(module, terapipe.seq_len, batch, stages, microbatch_size=fixed_micro,
-                                granularity=terapipe.granularity, time_budget_s=terapipe.profile_seconds,
-                                cost_model_path=terapipe.cost_model, schedule=terapipe.schedule, hidden=hidden,
-                                cost=spec.cost)
-    return planned.to_slice_plan(), report
 

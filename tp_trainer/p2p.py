@@ -70,3 +70,12 @@ class Transfers:
         if self._recvs:
             leftover, self._recvs = list(self._recvs), {}
             raise RuntimeError(f"receives posted but never used: {leftover}")
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without synchronizing the host with it: through pinned memory and a
+    non-blocking copy on an accelerator (a copy from pageable memory waits for the device); as it is
+    on the CPU."""
+    if torch.device(device).type == "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

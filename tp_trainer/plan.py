@@ -68,6 +68,20 @@ class SlicePlan:
                 f"{self.microbatches} microbatches x {self.microbatch_size} sequences)")
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """What ``initialize`` decided for a run, handed to the engine when it is built (``engine.run_plan``)."""
+
+    slices: SlicePlan
+    """The token slices and the microbatching the engine runs."""
+    schedule: str
+    """The order of the units ("gpipe" / "1f1b"): the config's, or the memory-aware planner's choice."""
+    report: str | None = None
+    """With "auto" slices: the planner's report (costs, the split, the plan, its predicted step)."""
+    memory_budget: dict | None = None
+    """With a memory limit: this stage's predicted peak, the limit and the baseline RSS, in MiB."""
+
+
 def parse_slices(spec, seq_len: int) -> tuple[int, ...]:
     """Turn the config's ``slices`` value into slice lengths.
 

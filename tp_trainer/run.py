@@ -20,11 +20,11 @@ from tqdm import tqdm
 from . import resume
 from .checks import RunSpec, check_validation_size, check_vocabulary, model_config, validate  # noqa: F401 (model_config: export.py)
 from .data import build_lm_dataset, get_tokenizer
-from .data.sampling import step_batches
+from .data.packing import step_batches
 from .engine import PipelineFailure
 from .failures import INPUT_ERRORS, RunStopped, stop_before_start, stop_together, together
 from .initialize import bind_rank_cores, init_process_group, initialize, launch_world_size
-from .memory import ActivationTracker, memory_report
+from .memory import memory_report
 from .resume import checkpoint_dir
 from .run_args import RunArgs  # noqa: F401 (the tests import it from here)
 
@@ -87,8 +87,8 @@ def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
         log.info("data: %s", dataset.summary())
         log.info("data: %s", validation.summary())
     model = together("building the model", meta_model, config)
-    engine, *_ = initialize(model, checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline)
-    engine.activation_tracker = ActivationTracker(engine.module.parameters())
+    engine, *_ = initialize(model, checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline,
+                            track_activations=True)
     together("checking the validation set", check_validation_size, engine, validation, args.eval_batches)
     resume_from = spec.resume_from
     first_step, samples, same = (together("resuming", resume.load, engine, resume_from) if resume_from
@@ -129,10 +129,11 @@ def _write_plan(engine, output_dir: str) -> None:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "plan.json"), "w", encoding="utf-8") as handle:
         handle.write(engine.plan.to_json())
-    if engine.plan_report:
+    report = engine.run_plan.report
+    if report:
         with open(os.path.join(output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
-            handle.write(engine.plan_report + "\n")
-        log.info("slice planner (terapipe.slices \"auto\"):\n%s", engine.plan_report)
+            handle.write(report + "\n")
+        log.info("slice planner (terapipe.slices \"auto\"):\n%s", report)
     log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
 
 
@@ -157,7 +158,7 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
         if step % args.eval_interval == 0 or step == args.max_steps:
             evaluate(engine, job.validation, args, step=step, rank=rank)
             log.info("memory (stage %d): %s", engine.stage_id, memory_report(engine.device, engine.activation_tracker,
-                                                                               getattr(engine, "memory_budget", None)))
+                                                                               engine.memory_budget))
         if args.save_interval and (step % args.save_interval == 0 or step == args.max_steps):
             tag = resume.save(engine, checkpoint_dir(args.output_dir), step, job.samples, config=job.config)
             if rank == 0:

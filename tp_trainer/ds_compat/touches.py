@@ -40,13 +40,12 @@ class Touch:
 
 
 OVERRIDES = (
-    Touch(PIPE_ENGINE, "_exec_schedule", "TeraPipeEngine runs token-slice schedules through its own "
-          "dispatch table instead of DeepSpeed's buffer-based one; train_batch reaches it by name.",
-          PIPE_SINCE, ("tp_trainer/engine.py",), params=("self", "pipe_schedule"),
-          source=(("train_batch", ("sched = self._train_schedule()", "self._exec_schedule(sched)")),)),
-    Touch(PIPE_ENGINE, "_train_schedule", "Returns our schedule (gpipe / 1f1b over slices) as a list of "
-          "steps; train_batch passes it to _exec_schedule untouched.", PIPE_SINCE, ("tp_trainer/engine.py",),
-          params=("self",)),
+    Touch(PIPE_ENGINE, "train_batch", "TeraPipeEngine owns the step: its train_batch runs the slice schedule, "
+          "takes the loss and reports as DeepSpeed's does (the steps_per_print line, the train_loss monitor "
+          "event, the train_batch timer); an upgrade that changes what DeepSpeed's reports must be followed "
+          "there.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"), params=("self", "data_iter"),
+          source=(("train_batch", ("self.timers(TRAIN_BATCH_TIMER).start()", "'Train/Samples/train_loss'",
+                                   "self.global_steps % self.steps_per_print() == 0")),)),
     Touch(PIPE_ENGINE, "eval_batch", "Evaluation slice by slice (forward-only schedule); callers pass "
           "data_iter and num_micro_batches only.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"),
           params=("self", "data_iter")),
@@ -54,10 +53,6 @@ OVERRIDES = (
           "DeepSpeed calls it from _take_model_step for fp32 without ZeRO.", "checked 0.19.8",
           ("tp_trainer/engine.py",), params=("self",),
           source=(("_take_model_step", ("self.clip_fp32_gradients()",)),)),
-    Touch(PIPE_ENGINE, "_aggregate_total_loss", "With the overlapped tail (schedule/tail.py) the loss was "
-          "broadcast during the step (LOSS_START / LOSS_WAIT, ds_compat/tail.py): the override returns it; "
-          "train_batch calls it by name after _exec_schedule.", PIPE_SINCE, ("tp_trainer/engine.py",),
-          params=("self",), source=(("train_batch", ("self.agg_train_loss = self._aggregate_total_loss()",)),)),
     Touch(PIPE_MODULE, "_partition_layers", "Stage boundaries from our cost-balanced StageSplit; "
           "PipelineModule.__init__ calls it by name after the topology is known.", PIPE_SINCE,
           ("tp_trainer/model/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
@@ -71,23 +66,10 @@ OVERRIDES = (
 
 TOUCHES = (
     # ------------------------------------------------------------------ PipelineEngine: step protocol
-    Touch(PIPE_ENGINE, "train_batch", "Resets total_loss, runs _train_schedule through _exec_schedule "
-          "and aggregates the loss with _aggregate_total_loss: our schedule must feed total_loss.",
-          PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"), params=("self", "data_iter"),
-          source=(("train_batch", ("self.total_loss = None", "self.agg_train_loss = self._aggregate_total_loss()")),)),
-    Touch(PIPE_ENGINE, "_aggregate_total_loss", "Reads total_loss (set by ds_compat.record_slice_loss), "
-          "scales it by gradient accumulation, averages over replicas, broadcasts from the last stage.",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
-          source=(("_aggregate_total_loss", ("self._scale_loss_by_gas(self.total_loss)",)),)),
-    Touch(PIPE_ENGINE, "fwd_outputs", "One detached loss per forward; _exec_schedule resets it (ours too) "
-          "and eval_batch reads it.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/ds_compat/__init__.py"),
-          instance_attr=True, source=(("_exec_schedule", ("self.fwd_outputs = []",)),)),
-    Touch(PIPE_ENGINE, "_next_batch", "Next item of the data iterator through batch_fn (ds_compat.next_batch).",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
-          source=(("_next_batch", ("next(self.data_iterator)",)),)),
-    Touch(PIPE_ENGINE, "_exec_reduce_tied_grads", "Tied-weight gradient all-reduce between stages, bf16's "
-          "_hp_grad included (ds_compat.reduce_tied_grads).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
-          params=("self",), source=(("_exec_reduce_tied_grads", ("self.module.get_tied_weights_and_groups()",)),)),
+    Touch(PIPE_ENGINE, "data_iterator", "LOAD takes each microbatch as DeepSpeed's _next_batch does: "
+          "next(data_iterator), through batch_fn where one is set (set_dataiterator / set_batch_fn).",
+          PIPE_SINCE, ("tp_trainer/engine.py",), instance_attr=True,
+          source=(("_next_batch", ("batch = next(self.data_iterator)", "if self.batch_fn:")),)),
     Touch(PIPE_ENGINE, "_exec_reduce_grads", "Data-parallel reduction at a forced accumulation boundary "
           "(ds_compat.reduce_grads); tests wrap it to capture gradients.", PIPE_SINCE,
           ("tp_trainer/ds_compat/__init__.py", "tests/pipeline_harness.py"), params=("self",),
@@ -96,35 +78,24 @@ TOUCHES = (
           "(ds_compat.optimizer_step); tests wrap it on the instance.", PIPE_SINCE,
           ("tp_trainer/ds_compat/__init__.py", "tests/pipeline_harness.py"),
           params=("self", "lr_kwargs"), source=(("_exec_optimizer_step", ("self._take_model_step(lr_kwargs)",)),)),
-    Touch(PIPE_ENGINE, "_scale_loss_by_gas", "LOSS_START scales the last stage's total_loss by gradient "
-          "accumulation as _aggregate_total_loss does (ds_compat/tail.py).", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py",),
-          params=("self", "prescaled_loss")),
-    Touch(PIPE_ENGINE, "_loss_stage_global_rank", "The global rank of the last stage of this replica: the "
-          "source of LOSS_START's broadcast (ds_compat/tail.py).", "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",),
+    Touch(PIPE_MODULE, "get_tied_weights_and_groups", "ds_compat.reduce_tied_grads sums each (weight, group) "
+          "as DeepSpeed's _exec_reduce_tied_grads does.", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
           params=("self",)),
-    Touch(PIPE_ENGINE, "dp_group_loss", "LOSS_WAIT sets it (this replica's loss) as _aggregate_total_loss does; "
-          "the test harness reads it.", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py", "tests/pipeline_harness.py"),
-          instance_attr=True, source=(("_aggregate_total_loss", ("self.dp_group_loss = loss.clone().detach()",)),)),
-    Touch(PIPE_ENGINE, "agg_additional_losses", "LOSS_WAIT sets it to None (no additional losses), as "
-          "_aggregate_total_loss would; train_batch's log line reads it.", "checked 0.19.8",
-          ("tp_trainer/ds_compat/tail.py",), instance_attr=True,
-          source=(("train_batch", ("if self.agg_additional_losses is not None:",)),)),
-    Touch(PIPE_MODULE, "get_tied_weights_and_groups", "TIED_START posts the all-reduce of each (weight, group) "
-          "that _exec_reduce_tied_grads reduces (ds_compat/tail.py).", PIPE_SINCE, ("tp_trainer/ds_compat/tail.py",),
-          params=("self",)),
-    Touch("deepspeed.comm.torch:TorchBackend", "inference_all_reduce", "TIED_WAIT sums a tied fp32 gradient "
-          "with DeepSpeed's CPU shared-memory kernel (ds_compat/tail.shared_memory_reduce), which reduces over "
+    Touch(PIPE_ENGINE, "_exec_reduce_tied_grads", "ds_compat.reduce_tied_grads mirrors it (ZeRO <= 1), with "
+          "DeepSpeed's shared-memory all-reduce on one CPU machine; if DeepSpeed changes what it sums, the "
+          "mirror must follow.", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
+          source=(("_exec_reduce_tied_grads", ("grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad",
+                                               "dist.all_reduce(grad, group=group)")),)),
+    Touch("deepspeed.comm.torch:TorchBackend", "inference_all_reduce", "reduce_tied_grads sums a tied fp32 gradient "
+          "with DeepSpeed's CPU shared-memory kernel (ds_compat.shared_memory_reduce), which reduces over "
           "every rank whatever the group: used only where the group is the whole world. Its C++ side "
           "(shm_interface.cpp: buffers mapped only where LOCAL_SIZE equals the world size; dtypes other than "
           "fp32 / bf16 / fp16 left unreduced) cannot be read from Python: the guard encodes it.",
-          "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",), params=("self", "tensor", "op"),
+          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "tensor", "op"),
           source=(("inference_all_reduce", ("return torch.ops.deepspeed.inference_all_reduce_(tensor)",)),)),
-    Touch(BF16, "_hp_grad", "TIED_START reduces a tied weight's fp32 gradient under the bf16 optimizer, as "
-          "_exec_reduce_tied_grads does (ds_compat/tail.py).", "checked 0.19.8", ("tp_trainer/ds_compat/tail.py",),
+    Touch(BF16, "_hp_grad", "reduce_tied_grads sums a tied weight's fp32 gradient under the bf16 optimizer, as "
+          "_exec_reduce_tied_grads does.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
           instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
-    Touch(PIPE_ENGINE, "_bcast_pipe_scalar", "Evaluation loss from the last stage to every stage "
-          "(ds_compat.broadcast_loss).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",),
-          params=("self", "data", "src_rank", "dtype")),
     Touch(PIPE_ENGINE, "using_bf16_optimizer", "Set in __init__ when DeepSpeed wrapped the optimizer in "
           "BF16_Optimizer (ds_compat.uses_bf16_optimizer).", "0.6.x (BF16_Optimizer), checked 0.19.8",
           ("tp_trainer/ds_compat/__init__.py", "tp_trainer/engine.py"), instance_attr=True,

@@ -1,14 +1,10 @@
-"""``"slices": "auto"``: profile each stage at start-up, plan on rank 0, broadcast the plan.
+"""``"slices": "auto"``: the stage split and the slices, planned at start-up before the model is built.
 
-Call on every rank after the model is split into its ``TeraPipeModule`` (and after
-``deepspeed.init_distributed``), BEFORE the ``TeraPipeEngine`` is built (the engine needs the plan):
-
-    plan, text = auto_plan(module, seq_len=..., batch=..., stages=..., cost_model_path=...)
-
-Every rank times its own stage's layers (bounded by ``time_budget_s``), the stage models are
-gathered to rank 0 with ``all_gather_object``, rank 0 runs the DP on the slowest stage and
-broadcasts the plan. Profiling runs in the module's current dtype and device, leaves gradients as
-found (None) and restores the RNG state, so training is unchanged by it.
+``measured_layout`` on every rank (after ``deepspeed.init_distributed``): the ranks profile the parts of a
+probe model (``layer_cost.measure_layers``, each part on one rank, bounded by ``time_budget_s``) or read
+them from a cost-model file, rank 0 plans (``layer_cost.plan_layout``; with a memory limit
+``memory_plan``) and broadcasts (Layout, report text). Profiling leaves the RNG state as found, so
+training is unchanged by it.
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ from .layer_cost import LayerCosts, Layout, describe_layout, measure_layers, pla
 from .memory_model import GIB
 from .memory_plan import NoPlanFits
 from ..model.split import HALF_NAMES
-from .profile import profile_stage, stage_functions, time_copy
-from .report import make_plan, report
+from .profile import time_copy
+from .report import report
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -74,68 +70,11 @@ def measure_p2p(hidden: int, seq_len: int, bytes_per_element: int = 4, repeats: 
     return out[0]
 
 
-def gather_cost(module, stages: int, stage_id: int, hidden: int, seq_len: int, batch_sizes, granularity: int,
-                time_budget_s: float, slice_context=None) -> PipelineCost:
-    """Profile this rank's stage; every rank gets the PipelineCost of all stages."""
-    rank, world = rank_and_world()
-    ctx = slice_context or module.slice_context
-    mine = profile_stage(module, ctx, hidden, seq_len, batch_sizes, granularity, time_budget_s,
-                         progress=True, desc=f"profile stage {stage_id} (rank {rank})")
-    latency, per_byte = measure_p2p(hidden, seq_len, mine.bytes_per_element)
-    everyone = [(stage_id, mine)]
-    if world > 1:
-        everyone = [None] * world
-        tdist.all_gather_object(everyone, (stage_id, mine))
-    by_stage = {}
-    for sid, cost in everyone:
-        by_stage.setdefault(sid, cost)
-    if sorted(by_stage) != list(range(stages)):
-        raise RuntimeError(f"auto slices: profiled stages {sorted(by_stage)}, expected 0..{stages - 1}")
-    meta = {"seq_len": seq_len, "batch_sizes": list(batch_sizes), "granularity": granularity,
-            "torch_threads": torch.get_num_threads(), "world_size": world}
-    return PipelineCost([by_stage[s] for s in range(stages)], latency, per_byte, meta)
-
-
-def auto_plan(module, seq_len: int, batch: int, stages: int, microbatch_size: int | None = None,
-              granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
-              schedule: str = "gpipe", save_dir: str | None = None, stage_id: int | None = None,
-              hidden: int | None = None, slice_context=None, cost: PipelineCost | None = None
-              ) -> tuple[PlannedBatch, str]:
-    """(plan, report) for a built stage module (collective). ``batch`` = sequences per step per replica;
-    ``microbatch_size`` fixes b (None: the DP also chooses the equal split of the batch).
-
-    ``cost``: a cost model already read (the run's checks read ``cost_model_path`` once).
-    ``cost_model_path``: read if it exists (no profiling), else written after profiling.
-    ``save_dir``: rank 0 writes ``plan.json`` and ``plan.txt`` there.
-    """
-    rank, _ = rank_and_world()
-    stage_id = module.stage_id if stage_id is None else stage_id
-    hidden = hidden or _hidden(module)
-    if cost is None and cost_model_path and os.path.isfile(cost_model_path):
-        cost = PipelineCost.load(cost_model_path)
-    if cost is None:
-        sizes = [microbatch_size] if microbatch_size else _divisors(batch)
-        cost = gather_cost(module, stages, stage_id, hidden, seq_len, sizes, granularity, time_budget_s,
-                           slice_context)
-        if cost_model_path and rank == 0:
-            cost.save(cost_model_path)
-    result = [None]
-    if rank == 0:
-        plan, seconds = make_plan(cost, seq_len, batch, stages, granularity, microbatch_size, schedule=schedule)
-        text = cost.describe() + "\n" + report(plan, cost, stages, schedule, seconds)
-        result = [(plan, text)]
-        if save_dir:
-            save_plan(save_dir, plan, text)
-    if rank_and_world()[1] > 1:
-        tdist.broadcast_object_list(result, src=0)
-    return result[0]
-
-
 def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, microbatch_size: int | None = None,
                     granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
-                    split_blocks: bool = True) -> tuple[Layout, str]:
+                    split_blocks: bool = True, share_halves: bool = False) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -145,7 +84,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     ``baseline_mb``: RSS before the model; what the ranks hold above it after profiling (freed memory
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS).
-    ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``)."""
+    ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``);
+    ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``)."""
     rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -166,7 +106,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if rank == 0:
         try:
             result = [_plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity, schedule,
-                            latency, per_byte, meta, memory_limit, overhead, profiled, shareable_halves(config))]
+                            latency, per_byte, meta, memory_limit, overhead, profiled,
+                            shareable_halves(config) if share_halves else ())]
         except NoPlanFits as err:
             result = [err]
         layout = result[0][0] if isinstance(result[0], tuple) else None
@@ -252,8 +193,7 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
     model counts a stage's layers whole)."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
-                         per_byte, meta, shared=shared if memory_limit is None else (),
-                         refine=memory_limit is None)   # with a limit, memory_plan chooses the slices
+                         per_byte, meta, shared=shared if memory_limit is None else ())
     text = [layers.describe(latency, per_byte), describe_layout(layout, layers, analytic)]
     if memory_limit is not None:
         if layers.memory is None:
@@ -287,21 +227,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _hidden(module) -> int:
-    """Hidden size of a stage: the width of its first LayerNorm (every stage holds a block)."""
-    parts = [module] if isinstance(module, torch.nn.Module) else stage_functions(module)
-    parts = [getattr(f, "args", (f,))[0] if not isinstance(f, torch.nn.Module) else f for f in parts]
-    for m in (m for part in parts if isinstance(part, torch.nn.Module) for m in part.modules()):
-        if isinstance(m, torch.nn.LayerNorm):
-            return int(m.normalized_shape[-1])
-        if isinstance(m, torch.nn.Embedding):
-            return int(m.embedding_dim)
-    raise ValueError("auto slices: pass hidden=model.config.hidden_size (no LayerNorm to read it from)")
-
-
 def save_plan(save_dir: str, plan: PlannedBatch, text: str) -> None:
     """Write ``plan.json`` (the plan as data) and ``plan.txt`` (the report) into ``save_dir``, each
-    replaced atomically. Used by ``auto_plan`` and by ``python -m tp_trainer.planner --save_dir``."""
+    replaced atomically. Used by ``python -m tp_trainer.planner --save_dir``."""
     os.makedirs(save_dir, exist_ok=True)
     data = {"seq_len": plan.seq_len, "stages": plan.stages, "microbatch_sizes": list(plan.microbatch_sizes),
             "slices": [list(s) for s in plan.slices], "predicted_time": plan.predicted_time,

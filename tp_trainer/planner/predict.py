@@ -3,8 +3,7 @@
 The schedule of every stage is built (``tp_trainer.schedule``) and run by the schedule simulator
 with durations from the cost model: ``ForwardSlice`` / ``BackwardSlice`` of unit (m, j) on stage s
 take stage s's fitted forward / backward time at (b_m, l_j, c_j); a send/receive pair takes the
-p2p time of the slice's activation; ``OptimizerStep`` takes the slowest stage's step time. The
-schedules carry the overlapped step tail the engine runs (``schedule.tail.overlap_tail``).
+p2p time of the slice's activation; ``OptimizerStep`` takes the slowest stage's step time.
 Weight gradients: where every stage's profile measured the W part of its backward (a 6th sample
 column, ``profile.profile_stage``), the schedules split them (``split_weight_grads``, as the engine
 runs them in fp32 / ZeRO <= 1): ``BackwardSlice`` takes the backward fit minus the W fit,
@@ -24,34 +23,28 @@ import numpy as np
 from ..schedule import (BackwardSlice, ForwardSlice, OptimizerStep, SendActivation, SendGrad, SimulationResult,
                         WeightGrad, backward_step, build_schedule, final_steps, forward_step, place_weight_grads,
                         simulate)
-from ..schedule.tail import overlap_tail
 from .cost_model import PipelineCost, StageCost, weight_grad_fit  # noqa: F401 (weight_grad_fit re-exported)
 from .dp import PlannedBatch, plan_batch, plan_time, uniform_slices
 
 
-def gpipe_units(stages: int, stage_id: int, slice_counts: list[int], split_weight_grads: bool = False,
-                tail: bool = False) -> list:
-    """The GPipe order over units whose microbatches have different slice counts (W's placed as gpipe's;
-    ``tail``: the overlapped step tail, ``schedule.tail.overlap_tail``)."""
+def gpipe_units(stages: int, stage_id: int, slice_counts: list[int], split_weight_grads: bool = False) -> list:
+    """The GPipe order over units whose microbatches have different slice counts (W's placed as gpipe's)."""
     order = [(m, j) for m, count in enumerate(slice_counts) for j in range(count)]
     steps = [forward_step(stages, stage_id, m, j) for m, j in order]
     steps += [backward_step(stages, stage_id, m, j) for m, j in reversed(order)]
     steps += final_steps(stage_id)
-    steps = place_weight_grads(steps, stage_id, lag=None) if split_weight_grads else steps
-    return overlap_tail(steps, stage_id) if tail else steps
+    return place_weight_grads(steps, stage_id, lag=None) if split_weight_grads else steps
 
 
-def plan_schedules(plan: PlannedBatch, stages: int, schedule: str = "gpipe", split_weight_grads: bool = False,
-                   tail: bool = False) -> list:
-    """Every stage's steps for ``plan`` under the named order; ``tail``: the overlapped step tail, as
-    the engine runs it (``TeraPipeEngine._train_schedule``)."""
+def plan_schedules(plan: PlannedBatch, stages: int, schedule: str = "gpipe", split_weight_grads: bool = False) -> list:
+    """Every stage's steps for ``plan`` under the named order, as the engine runs them."""
     counts = [len(s) for s in plan.slices]
     if len(set(counts)) == 1:
-        return [build_schedule(schedule, stages, s, len(counts), counts[0], split_weight_grads=split_weight_grads,
-                               overlap_tail=tail) for s in range(stages)]
+        return [build_schedule(schedule, stages, s, len(counts), counts[0], split_weight_grads=split_weight_grads)
+                for s in range(stages)]
     if schedule != "gpipe":
         raise ValueError(f"schedule {schedule!r} needs the same slice count in every microbatch")
-    return [gpipe_units(stages, s, counts, split_weight_grads, tail) for s in range(stages)]
+    return [gpipe_units(stages, s, counts, split_weight_grads) for s in range(stages)]
 
 
 def split_costs(stage: StageCost, b, l, c, w_fit) -> tuple[float, float]:
@@ -107,7 +100,7 @@ def simulate_plan(plan: PlannedBatch, cost: PipelineCost, stages: int, schedule:
         return float(cost.comm(b, l))
 
     # the engine's sends do not wait for the receiver (p2p.Transfers): time them that way
-    return simulate(plan_schedules(plan, stages, schedule, split_weight_grads, tail=True), duration, comm_time,
+    return simulate(plan_schedules(plan, stages, schedule, split_weight_grads), duration, comm_time,
                     eager_sends=True)
 
 

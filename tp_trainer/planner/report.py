@@ -1,4 +1,4 @@
-"""Planning from a cost model and the printed report (shared by the CLI and ``auto.auto_plan``)."""
+"""Planning from a cost model and the printed report (shared by the CLI and ``layer_cost.plan_layout``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The communication calls a pipeline's ranks issue for their schedules, for ``nccl_model.check``.
 
 ``lower`` turns every rank's flattened instructions into ``nccl_model.Call`` / ``Wait`` lists the way
-the engine issues them (``engine._exec_schedule``, ``p2p.Transfers``, ``ds_compat.tail``):
+the engine issues them (``engine._run``, ``p2p.Transfers``, ``engine.reduce_tied_grads``):
 
 - a send is an ``isend`` issued at its instruction; every send is waited for at the end;
 - receives, by ``posting``:
@@ -10,10 +10,10 @@ the engine issues them (``engine._exec_schedule``, ``p2p.Transfers``, ``ds_compa
     "safe"   as "ahead", but never before a send to the same peer that comes earlier in the
              schedule: on a communicator the rank's calls stay in the schedule's order;
   a receive is waited for at its instruction;
-- collectives: the tied all-reduce (``ReduceTiedGrads``, or posted by ``TIED_START`` and waited by
-  ``TIED_WAIT``) among a replica's first and last stage; the loss broadcast (``LOSS_START`` /
-  ``LOSS_WAIT``) among a replica's stages; the data-parallel reduction (``ReduceGrads``) among a
-  stage's replicas; the clipping norm at ``OptimizerStep`` among all ranks.
+- collectives: the tied all-reduce (``ReduceTiedGrads``) among a replica's first and last stage; the
+  data-parallel reduction (``ReduceGrads``) among a stage's replicas; the clipping norm at
+  ``OptimizerStep`` among all ranks; after the schedule, once every send completed, the step's loss
+  broadcast among a replica's stages (``engine.step_loss``).
 ``keying``: "pair" (an un-batched isend/irecv goes to a 2-rank communicator per pair of ranks, as
 ``ProcessGroupNCCL`` keys it) or "group" (every point-to-point call on the group's communicator, as
 ``batch_isend_irecv`` does). Rank of (stage s, replica r): r x stages + s.
@@ -30,7 +30,6 @@ from .instructions import (
 )
 from .nccl_model import Call, Wait
 from .orders import build_schedule
-from .tail import LossBroadcastStart, LossBroadcastWait, TiedReduceStart, TiedReduceWait
 
 RECEIVES = (RecvActivation, RecvGrad)
 
@@ -79,6 +78,18 @@ def posts_before(flat: list, posting: str = "safe") -> dict[int, list[int]]:
     return posts
 
 
+class Program:
+    """A stage's schedule ready to run: its instructions in order, per position the receives (indices)
+    posted just before that instruction (``schedule.calls.posts_before``), and each transfer's peer
+    rank (``stage_rank``: stage -> global rank). Built once per schedule: nothing of it is computed
+    again per step."""
+
+    def __init__(self, steps, stage_rank):
+        self.instructions = tuple(instruction for step in steps for instruction in step)
+        self.posts = posts_before(list(self.instructions))
+        self.peers = {ins: stage_rank(ins.peer_stage) for ins in self.instructions if ins.is_comm}
+
+
 def check_keying(keying: str) -> None:
     if keying not in ("pair", "group"):
         raise ValueError(f"keying: {keying!r}; choose pair or group")
@@ -111,21 +122,16 @@ def lower(flat: list, stage: int, stages: int, replica: int, replicas: int, post
             sends.append(str(ins))
         elif kind in RECEIVES:
             calls.append(Wait(str(ins)))
-        elif kind in (ReduceTiedGrads, TiedReduceStart) and tied and stages > 1:
-            calls.append(Call("collective", f"tied{replica}", f"{ins}"))
-            if kind is ReduceTiedGrads:
-                calls.append(Wait(f"{ins}"))
-        elif kind is TiedReduceWait and tied and stages > 1:
-            calls.append(Wait(f"{TiedReduceStart(stage)}"))
-        elif kind is LossBroadcastStart and stages > 1:
-            calls.append(Call("collective", f"pipe{replica}", f"{ins}"))
-        elif kind is LossBroadcastWait and stages > 1:
-            calls.append(Wait(f"{LossBroadcastStart(stage)}"))
+        elif kind is ReduceTiedGrads and tied and stages > 1:
+            calls += [Call("collective", f"tied{replica}", f"{ins}"), Wait(f"{ins}")]
         elif kind is ReduceGrads and replicas > 1:
             calls += [Call("collective", f"dp{stage}", f"{ins}"), Wait(f"{ins}")]
         elif kind is OptimizerStep and stages * replicas > 1:
             calls += [Call("collective", "world", f"{ins}"), Wait(f"{ins}")]
-    return calls + [Wait(label) for label in sends]
+    calls += [Wait(label) for label in sends]
+    if stages > 1:  # the step's loss, from the last stage to the others
+        calls += [Call("collective", f"pipe{replica}", "LOSS"), Wait("LOSS")]
+    return calls
 
 
 def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pair") -> dict[int, list]:

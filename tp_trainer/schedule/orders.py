@@ -36,8 +36,6 @@ from .instructions import (
     WeightGrad,
 )
 
-from . import tail  # noqa: E402 (after the instructions it extends)
-
 Step = list[Instruction]
 ScheduleFn = Callable[..., list[Step]]  # (stages, stage_id, microbatches, num_slices, split_weight_grads=False)
 
@@ -269,13 +267,11 @@ def forward_only(stages: int, stage_id: int, microbatches: int, num_slices: int)
 
 
 def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
-                   num_slices: int, split_weight_grads: bool = False, overlap_tail: bool = False) -> list[Step]:
+                   num_slices: int, split_weight_grads: bool = False) -> list[Step]:
     """Build stage ``stage_id``'s steps with the order registered as ``name``.
 
     ``split_weight_grads``: emit a ``WeightGrad`` for every unit on every stage, placed by
-    :func:`place_weight_grads` (zero-bubble). ``overlap_tail``: the step tail of
-    :func:`tail.overlap_tail` (non-blocking tied all-reduce and loss broadcast, the local part of the
-    step first). Raises ValueError naming the known orders for an unknown name, or showing the
+    :func:`place_weight_grads` (zero-bubble). Raises ValueError naming the known orders for an unknown name, or showing the
     numbers for invalid integers.
     """
     fn = SCHEDULES.get(name)
@@ -285,10 +281,7 @@ def build_schedule(name: str, stages: int, stage_id: int, microbatches: int,
     validate_schedule_args(stages, stage_id, microbatches, num_slices)
     if not isinstance(split_weight_grads, bool):
         raise ValueError(f"split_weight_grads must be True or False, got {split_weight_grads!r}")
-    if not isinstance(overlap_tail, bool):
-        raise ValueError(f"overlap_tail must be True or False, got {overlap_tail!r}")
-    steps = fn(stages, stage_id, microbatches, num_slices, split_weight_grads=split_weight_grads)
-    return tail.overlap_tail(steps, stage_id) if overlap_tail else steps  # tail.py: the overlapped step tail
+    return fn(stages, stage_id, microbatches, num_slices, split_weight_grads=split_weight_grads)
 
 
 def format_schedule(steps: list[Step]) -> str:

@@ -48,7 +48,6 @@ from .instructions import (
     SliceInstruction,
     WeightGrad,
 )
-from . import tail
 from .orders import build_schedule
 
 IDLE = "."
@@ -150,7 +149,6 @@ class _Simulator:
         self.nslices = [self._slice_counts(u) for u in self.units]
         self.clock = [0.0] * self.K
         self.timeline: list[tuple[int, Instruction, float, float]] = []
-        self.posted: dict[str, dict[int, float]] = {}  # tail.py posts: CODE -> {stage: time posted}
 
     def _flatten(self, i: int, steps) -> list[Instruction]:
         prog = [ins for step in steps for ins in step]
@@ -195,8 +193,6 @@ class _Simulator:
         if isinstance(ins, LoadSlice) and 0 < i < self.K - 1:
             self.fail(f"misplaced: {ins} on stage {i}, which is neither the first "
                       f"nor the last stage (LoadSlice belongs to those only)", nexts)
-        if hasattr(ins, "after"):  # tail.py: a post or the step's local part
-            return tail.missing_before(self, i, ins)
         if ins.is_comm:
             return self._missing_comm(i, ins, nexts)
         if isinstance(ins, ReduceGrads) or ins.is_collective:
@@ -269,18 +265,7 @@ class _Simulator:
         end = start + self.duration(ins)
         self.clock[i] = end
         self.timeline.append((i, ins, start, end))
-        if getattr(ins, "is_post", False):
-            self.posted.setdefault(ins.CODE, {})[i] = end
         self._mark(i, ins, row)
-
-    def run_wait(self, i: int, ins: Instruction, row) -> bool:
-        """A tail.py wait: runs once every stage posted its collective (clock >= the last post)."""
-        posted = tail.wait_ready(self, i, ins)
-        if posted is None:
-            return False
-        self.clock[i] = max(self.clock[i], posted)
-        self.run_compute(i, ins, row)
-        return True
 
     def matches(self, ins: Instruction, other: Optional[Instruction]) -> bool:
         """True when ``other`` (next on the peer stage) is the counterpart of ``ins``."""
@@ -325,9 +310,7 @@ class _Simulator:
             ins = nexts[i]
             if acted[i] or ins.is_collective:
                 continue
-            if hasattr(ins, "posted_by"):
-                acted[i] = self.run_wait(i, ins, row)
-            elif ins.is_compute:
+            if ins.is_compute:
                 self.run_compute(i, ins, row)
                 acted[i] = True
             elif not acted[ins.peer_stage] and self.matches(ins, nexts[ins.peer_stage]):
@@ -356,10 +339,7 @@ class _Simulator:
         return "\n".join(lines)
 
     def check_end(self, forward_only: bool = False) -> None:
-        """Every stage forwarded (and, training, backwarded) each of its units once, same units everywhere;
-        every posted collective (tail.py) waited for on its stage."""
-        for ins in tail.unwaited(self.progs):
-            self.fail(f"unwaited: {ins} is never waited for on stage {ins.stage}")
+        """Every stage forwarded (and, training, backwarded) each of its units once, same units everywhere."""
         for i in range(self.K):
             work = (("F", ForwardSlice),) if forward_only else (("F", ForwardSlice), ("B", BackwardSlice))
             if self.splits_w[i] and not forward_only:
