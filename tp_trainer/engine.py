@@ -34,7 +34,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from . import ds_compat
 from .model.head_loss import HeadLossLabels, fuse_head_loss
 from .model.slice_cache import SequenceKV
-from .model.weight_grad import DeferredWeightGrads, defer_stage
+from .model.weight_grad import DeferredWeightGrads, defer_stage, weight_grads_in_b
 from .memory import ActivationTracker, current_rss_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -81,7 +81,9 @@ class TeraPipeEngine(PipelineEngine):
         self._slices, self._offsets = plan.slices, plan.offsets   # tuples: no plan.py code per slice
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
-        self.weight_grads = self._deferred_weight_grads() if defer_weight_grads else None
+        self.weight_grads_in_b = weight_grads_in_b(defer_weight_grads, self.bfloat16_enabled(), self.fp16_enabled(),
+                                                   self.zero_optimization_stage(), self.zero_overlap_comm())
+        self.weight_grads = self._deferred_weight_grads() if self.weight_grads_in_b is None else None
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
                                                      split_weight_grads=self.weight_grads is not None),
@@ -110,19 +112,17 @@ class TeraPipeEngine(PipelineEngine):
             ds_compat.recheck_checkpointable(self.module)
         return labels
 
-    def _deferred_weight_grads(self) -> DeferredWeightGrads | None:
-        """Split this stage's backward into B and W (model/weight_grad.py: every linear layer, the
-        tied or untied head, the embeddings), where it is safe: DeepSpeed must read ``.grad`` at
-        ReduceGrads / the step, not fold it into other buffers during each backward. So fp32 (or
-        float64) with ZeRO stage 0, or ZeRO stage 1 without overlap_comm; not fp16 / bf16 (see
-        ``terapipe.defer_weight_grads`` in config.py for why). The schedule then carries a W for
-        every unit (``split_weight_grads``)."""
-        zero = self.zero_optimization_stage()
-        if self.fp16_enabled() or self.bfloat16_enabled() or zero > 1 or (zero == 1 and self.zero_overlap_comm()):
-            return None
+    def _deferred_weight_grads(self) -> DeferredWeightGrads:
+        """Split this stage's backward into B and W (every linear layer, the tied or untied head, the
+        embeddings); the schedule then carries a W for every unit (``split_weight_grads``)."""
         store = DeferredWeightGrads()
         defer_stage(self.module.forward_funcs, store)
         return store
+
+    @property
+    def weight_grads_mode(self) -> str:
+        """How weight gradients run, for the ``plan:`` log line."""
+        return "W" if self.weight_grads_in_b is None else f"in B ({self.weight_grads_in_b})"
 
     # ----------------------------------------------------------------------------- the step
     def train_batch(self, data_iter=None):

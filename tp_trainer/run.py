@@ -134,7 +134,8 @@ def _write_plan(engine, output_dir: str) -> None:
         with open(os.path.join(output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
             handle.write(report + "\n")
         log.info("slice planner (terapipe.slices \"auto\"):\n%s", report)
-    log.info("plan: %s, schedule %s, %d stages", engine.plan, engine.schedule_name, engine.num_stages)
+    log.info("plan: %s, schedule %s, %d stages, weight gradients: %s", engine.plan, engine.schedule_name,
+             engine.num_stages, engine.weight_grads_mode)
 
 
 def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:

@@ -194,3 +194,16 @@ def restore(modules) -> None:
     for module in modules:
         module.__dict__.pop("forward", None)
         module.__dict__.pop("deferred_weight_grads", None)
+
+
+def weight_grads_in_b(asked: bool, bf16: bool, fp16: bool, zero_stage: int, overlap_comm: bool) -> str | None:
+    """Why a stage's weight gradients stay in its backward (B), or None where they run as W's.
+    DeepSpeed must read ``.grad`` at ReduceGrads / the step, not fold it into other buffers during each
+    backward: so fp32 (or float64) with ZeRO stage 0, or ZeRO 1 without overlap_comm; not fp16 / bf16
+    (``terapipe.defer_weight_grads`` in config.py says why)."""
+    reasons = [(not asked, "terapipe.defer_weight_grads false"),
+               (bf16, "bf16: DeepSpeed's BF16_Optimizer folds .grad after every backward"),
+               (fp16, "fp16: the loss-scaled optimizers, untried with W"),
+               (zero_stage > 1, f"ZeRO stage {zero_stage} reduces gradients in backward hooks"),
+               (zero_stage == 1 and overlap_comm, "ZeRO-1 with overlap_comm reduces gradients in backward hooks")]
+    return next((why for applies, why in reasons if applies), None)
