@@ -38,6 +38,14 @@ def stage_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``stage_state`` under the HF model's names: LoRA adapters merged into their weights."""
+    if getattr(module, "lora_settings", None) is not None:
+        from ..lora_io import merged_state
+        return merged_state(module)
+    return stage_state(module)
+
+
 def write_shard(path: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, int]:
     """Write ``tensors`` (cloned, contiguous, on CPU: safetensors refuses shared storage) to ``path``.
 
@@ -117,7 +125,7 @@ def save_hf_checkpoint(engine, output_dir: str, config, tokenizer=None, generati
         raise CheckpointError(f"save_hf_checkpoint {output_dir}: {box[0][1]}")
     tmp, stage, stages = box[0][0], engine.stage_id, engine.num_stages
     writer = engine.grid.data_parallel_id == 0
-    tensors = stage_state(engine.module) if writer else {}
+    tensors = hf_state(engine.module) if writer else {}
     held = [None] * world
     dist.all_gather_object(held, (stage, sorted(tensors)))
     first = {}

@@ -56,6 +56,8 @@ def post_tied_reduce(engine) -> None:
         raise RuntimeError("TIED_START twice in one step: the previous all-reduce was never waited for")
     works = []
     for weight, group in engine.module.get_tied_weights_and_groups():
+        if not weight.requires_grad:  # frozen (LoRA's base embedding): the copies cannot part
+            continue
         if not engine.using_bf16_optimizer and weight.requires_grad and weight.grad is None:
             # this copy ran no slice this step (a shared half whose threshold no slice of this stage
             # meets): it adds zeros. Skipped, as DeepSpeed skips a None gradient, the peers would sum
