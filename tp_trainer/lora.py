@@ -106,7 +106,7 @@ def merge_flags(section: dict, args) -> None:
              "target_modules": args.lora_target_modules, "modules_to_save": args.modules_to_save,
              "adapter_name_or_path": args.adapter_name_or_path}
     given = {key: value for key, value in given.items() if value is not None}
-    if given or (args.merge_lora and section.get("lora") is None):
+    if given:
         lora = section.get("lora")
         section["lora"] = {**(lora if isinstance(lora, dict) else {}), **given}
 

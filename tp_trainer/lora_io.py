@@ -127,3 +127,47 @@ def merged_state(module) -> dict[str, torch.Tensor]:
                 merged[f"{prefix}.base_layer.weight"] = base + sub.get_delta_weight(ADAPTER).to(base.dtype)
     return {key.replace(".base_layer.", "."): merged.get(key, tensor) for key, tensor in state.items()
             if ".lora_" not in key}
+
+
+# ---------------------------------------------------------------- export (no process group)
+
+def is_lora_checkpoint(tag_dir: str) -> bool:
+    """A LoRA run's checkpoint tag is also a PEFT adapter directory (``save_checkpoint_adapter``)."""
+    return os.path.isfile(os.path.join(tag_dir, "adapter_config.json"))
+
+
+def export_checkpoint(tag_dir: str, output_dir: str, merge: bool, base_model: str | None = None,
+                      tokenizer=None) -> str:
+    """``python -m tp_trainer.export`` of a LoRA checkpoint: ``output_dir`` becomes its PEFT adapter
+    directory, or with ``merge`` the merged HF model: the base checkpoint (``base_model``, else the
+    one the adapter names) loaded in this process, the adapter applied by PEFT and merged."""
+    import json
+    import shutil
+    from .checkpoint.hf_save import fresh_tmp, publish
+    tmp = fresh_tmp(output_dir)
+    try:
+        if not merge:
+            for name in ("adapter_config.json", WEIGHTS):
+                shutil.copy2(os.path.join(tag_dir, name), os.path.join(tmp, name))
+        else:
+            with open(os.path.join(tag_dir, "adapter_config.json"), encoding="utf-8") as handle:
+                base_model = base_model or json.load(handle).get("base_model_name_or_path")
+            if not base_model:
+                raise ConfigError(f"--merge_lora: {tag_dir} names no base checkpoint (the run trained from a "
+                                  f"preset); pass --model_name_or_path with the base weights")
+            merged_model(base_model, tag_dir).save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        publish(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def merged_model(base_model: str, adapter_dir: str):
+    """The base HF model with the PEFT adapter of ``adapter_dir`` merged in (fp32, one process)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
