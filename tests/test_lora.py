@@ -130,3 +130,23 @@ def test_bad_settings_name_the_input(section, expected):
     with pytest.raises(ConfigError) as error:
         check(LoraSettings.from_section(section), ec.tiny_model(True).config)
     assert expected in str(error.value)
+
+
+def test_memory_model_counts_adapter_state_only():
+    """The planner's static bytes of a Llama-style block under LoRA r=8 on its 7 projections: the
+    block's parameters plus ~1% of adapters, whose gradients and moments are ~3% of full FT's."""
+    from transformers import LlamaConfig
+
+    from tp_trainer.lora import planner_parts
+    from tp_trainer.planner.memory_model import PartMemory
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+                         num_hidden_layers=2, vocab_size=32000)
+    block = 4.0 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2 * 1024)  # fp32: q, o, k, v, MLP, norms
+    parts = {"prefix": PartMemory(4.0 * 32000 * 1024, 0, 0, 0), "block": PartMemory(block, 0, 0, 0),
+             "suffix": PartMemory(4.0 * 32000 * 1024, 0, 0, 0)}
+    lora = planner_parts(parts, LoraSettings(r=8), config)
+    adapters = 4.0 * 8 * (2 * (1024 + 1024) + 2 * (1024 + 256) + 3 * (1024 + 2816))
+    assert abs(lora["block"].params - block - adapters) <= 1e-6 * block
+    assert abs(lora["block"].static - (block + 4 * adapters)) <= 1e-6 * block
+    assert lora["prefix"].static == parts["prefix"].params and parts["block"].static == 4 * block
+    assert (lora["block"].static - lora["block"].params) / (parts["block"].static - block) < 0.05

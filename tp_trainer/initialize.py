@@ -200,7 +200,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     fixed_micro = None if terapipe.microbatches == "auto" else micro
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
-                memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks)
+                memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks, lora=terapipe.lora)
 
 
 def plan_slices(spec: PipelineSpec, module, config_class, hidden: int):

@@ -237,3 +237,36 @@ def init_adapters(module, seed: int) -> None:
 def has_lora(module) -> bool:
     """True where the stage holds LoRA adapters."""
     return any(".lora_" in name for name, _ in module.named_parameters())
+
+
+# ---------------------------------------------------------------- the memory planner (first cut)
+
+def adapter_ratio(settings: LoraSettings, config) -> float:
+    """Adapter parameters per parameter of one decoder block: r (in + out) per adapted linear layer
+    of block 0, over the block's parameters (meta model: no memory)."""
+    from transformers.pytorch_utils import Conv1D
+    from .checkpoint import meta_model
+    model = meta_model(config)
+    block = next(m for m in model.modules() if isinstance(m, nn.ModuleList))[0]  # the decoder blocks
+    adapters = 0
+    for name, sub in block.named_modules():
+        if any(_matches(name, t) for t in settings.targets(config.model_type)) and isinstance(sub, (nn.Linear, Conv1D)):
+            adapters += settings.r * sum(sub.weight.shape)
+    return adapters / sum(p.numel() for p in block.parameters())
+
+
+def planner_parts(parts: dict, settings: LoraSettings, config) -> dict:
+    """The memory model's parts (``planner.memory_model.PartMemory``) under LoRA, a first cut: a block
+    (or half) holds its parameters plus the adapters (``adapter_ratio`` of them), and only the
+    adapters have gradients and optimizer state; the prefix and suffix have none, or all of theirs
+    where ``modules_to_save`` names any module. Activations are counted as without LoRA (the
+    adapters' own are r-wide, and a deferred W keeps about what the base layers' would)."""
+    ratio = adapter_ratio(settings, config)
+    out = {}
+    for kind, part in parts.items():
+        if kind in ("prefix", "suffix"):
+            out[kind] = replace(part, trainable=part.params if settings.modules_to_save else 0.0)
+        else:
+            extra = part.params * ratio
+            out[kind] = replace(part, params=part.params + extra, trainable=extra)
+    return out
