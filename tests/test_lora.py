@@ -105,7 +105,7 @@ def flags(**given):
 def test_flags_win_over_the_config_section():
     section = {"lora": {"r": 16, "alpha": 32, "target_modules": ["c_attn"]}}
     merge_flags(section, flags(lora_r=4, lora_target_modules="c_attn,c_fc"))
-    settings = TeraPipeConfig.from_section({"seq_len": 16, **section}).lora
+    settings = LoraSettings.from_section(TeraPipeConfig.from_section({"seq_len": 16, **section}).lora)
     assert (settings.r, settings.alpha, settings.target_modules) == (4, 32, ("c_attn", "c_fc"))
     assert TeraPipeConfig.from_section({"seq_len": 16}).lora is None
 

@@ -104,12 +104,13 @@ class TeraPipeConfig:
     lora: object = None
     """LoRA through peft: {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": [...],
     "modules_to_save": [...], "adapter_name_or_path": DIR} (``lora.LoraSettings``; the ``--lora_*``
-    flags win). Base weights frozen; each stage injects adapters into its own layers. None: off."""
+    flags win; checked against the model by ``lora.check``, which makes it a ``LoraSettings``). Base
+    weights frozen; each stage injects adapters into its own layers. None: off."""
 
     def __post_init__(self):
         self._check_memory_limit()
-        from .lora import LoraSettings
-        self.lora = LoraSettings.from_section(self.lora)
+        if self.lora is not None and not isinstance(self.lora, dict) and type(self.lora).__name__ != "LoraSettings":
+            raise ConfigError(f"terapipe.lora: must be an object such as {{\"r\": 8}}, got {self.lora!r}")
         if not isinstance(self.bind_cores, bool):
             raise ConfigError(f"terapipe.bind_cores: must be true or false, got {self.bind_cores!r}")
         if not isinstance(self.calibrate, bool):

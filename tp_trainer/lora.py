@@ -27,6 +27,8 @@ from torch import nn
 from .config import ConfigError
 
 ADAPTER = "default"  # PEFT's adapter name inside the modules
+PREFIX = "base_model.model."  # PEFT's saved keys: base_model.model.<module>.lora_A.weight
+WEIGHTS = "adapter_model.safetensors"
 # the attention and MLP projections of each family (GPT-2's Conv1D: c_attn, c_proj, c_fc)
 DEFAULT_TARGETS = {
     "gpt2": ("c_attn", "c_proj", "c_fc"),
@@ -136,6 +138,7 @@ def check(settings: LoraSettings | None, model_config) -> LoraSettings | None:
     """Before the process group: the targets and ``modules_to_save`` exist in the model and are of
     a type peft wraps. Builds the model on the meta device (no memory). Returns the settings with the
     adapter's own values (``from_adapter``)."""
+    settings = LoraSettings.from_section(settings)
     if settings is None:
         return None
     settings = from_adapter(settings)
@@ -196,7 +199,6 @@ def apply_lora(module, settings: LoraSettings | None, model_type: str, seed: int
                 sub.requires_grad_(True)
     init_adapters(module, seed)
     if settings.adapter_name_or_path:
-        from .lora_io import load_adapter
         load_adapter(module, settings.adapter_name_or_path)
 
 
@@ -207,6 +209,37 @@ def add_lora(module, terapipe, config, seed: int, checkpoint: str | None) -> Non
         terapipe.lora = check(terapipe.lora, config)
         apply_lora(module, terapipe.lora, config.model_type, seed)
     module.lora_settings, module.lora_base, module.lora_model_type = terapipe.lora, checkpoint, config.model_type
+
+
+@torch.no_grad()
+def load_adapter(module, path: str) -> None:
+    """Give this stage's adapters (and ``modules_to_save``) their values from a PEFT adapter
+    directory; every trainable tensor of the stage must be there."""
+    from .model.pipeline import hf_named_parameters
+    trainable = {n: p for n, p in hf_named_parameters(module).items() if p.requires_grad}
+    loaded = set()
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, WEIGHTS), framework="pt", device="cpu") as handle:
+        for key in handle.keys():
+            name = from_peft_key(key)
+            if name in trainable:
+                value = handle.get_tensor(key)
+                if value.shape != trainable[name].shape:
+                    raise ConfigError(f"{FLAGS['adapter_name_or_path']} {path}: {key} has shape "
+                                      f"{tuple(value.shape)}, this model's is {tuple(trainable[name].shape)}")
+                trainable[name].copy_(value.to(trainable[name].dtype))
+                loaded.add(name)
+    missing = sorted(set(trainable) - loaded)
+    if missing:
+        raise ConfigError(f"{FLAGS['adapter_name_or_path']} {path}: no tensor for {missing[:3]} (an adapter of "
+                          f"another model?)")
+
+
+def from_peft_key(key: str) -> str:
+    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        name = name.replace(f".{kind}.weight", f".{kind}.{ADAPTER}.weight")
+    return name
 
 
 def hf_parts(module) -> list:
@@ -261,6 +294,7 @@ def planner_parts(parts: dict, settings: LoraSettings, config) -> dict:
     adapters have gradients and optimizer state; the prefix and suffix have none, or all of theirs
     where ``modules_to_save`` names any module. Activations are counted as without LoRA (the
     adapters' own are r-wide, and a deferred W keeps about what the base layers' would)."""
+    settings = LoraSettings.from_section(settings)
     ratio = adapter_ratio(settings, config)
     out = {}
     for kind, part in parts.items():

@@ -12,26 +12,15 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError
-from .lora import ADAPTER, FLAGS, hf_parts
-
-PREFIX = "base_model.model."
-WEIGHTS = "adapter_model.safetensors"
+from .lora import ADAPTER, PREFIX, WEIGHTS, hf_parts
 
 
 def to_peft_key(name: str) -> str:
     """``transformer.h.0.attn.c_attn.lora_A.default.weight`` -> PEFT's saved key."""
     return PREFIX + name.replace(f".{ADAPTER}.", ".")
-
-
-def from_peft_key(key: str) -> str:
-    name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-    for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
-        name = name.replace(f".{kind}.weight", f".{kind}.{ADAPTER}.weight")
-    return name
 
 
 def adapter_state(module) -> dict[str, torch.Tensor]:
@@ -67,7 +56,8 @@ def save_outputs(engine, args, config, tokenizer=None) -> None:
         log.info("saved the LoRA adapter (PEFT format) to %s", target)
     if args.merge_lora and args.save_hf:
         from .checkpoint import save_hf_checkpoint
-        target = save_hf_checkpoint(engine, os.path.join(args.output_dir, "hf_model"), config, tokenizer=tokenizer)
+        target = save_hf_checkpoint(engine, os.path.join(args.output_dir, "hf_model"), config, tokenizer=tokenizer,
+                                    state=merged_state)
         if engine.global_rank == 0:
             log.info("saved the merged model to %s", target)
 
@@ -87,29 +77,6 @@ def write_adapter(output_dir: str, tensors: dict, settings, model_type: str, bas
     settings.peft_config(model_type, base_model).save_pretrained(target)
     if atomic:
         publish(target, output_dir)
-
-
-@torch.no_grad()
-def load_adapter(module, path: str) -> None:
-    """Give this stage's adapters (and ``modules_to_save``) their values from a PEFT adapter
-    directory; every trainable tensor of the stage must be there."""
-    from .model.pipeline import hf_named_parameters
-    trainable = {n: p for n, p in hf_named_parameters(module).items() if p.requires_grad}
-    loaded = set()
-    with safe_open(os.path.join(path, WEIGHTS), framework="pt", device="cpu") as handle:
-        for key in handle.keys():
-            name = from_peft_key(key)
-            if name in trainable:
-                value = handle.get_tensor(key)
-                if value.shape != trainable[name].shape:
-                    raise ConfigError(f"{FLAGS['adapter_name_or_path']} {path}: {key} has shape "
-                                      f"{tuple(value.shape)}, this model's is {tuple(trainable[name].shape)}")
-                trainable[name].copy_(value.to(trainable[name].dtype))
-                loaded.add(name)
-    missing = sorted(set(trainable) - loaded)
-    if missing:
-        raise ConfigError(f"{FLAGS['adapter_name_or_path']} {path}: no tensor for {missing[:3]} (an adapter of "
-                          f"another model?)")
 
 
 def merged_state(module) -> dict[str, torch.Tensor]:
