@@ -96,14 +96,15 @@ def worker(args) -> None:
         tdist.all_reduce(predicted, op=tdist.ReduceOp.MAX)
         spent = torch.tensor([time.perf_counter() - began])
         tdist.all_reduce(spent, op=tdist.ReduceOp.MAX)
-        if length == args.table_length:  # measured whatever the cap: the table's length
-            pass
-        elif length > args.lengths[0] and float(predicted) > cap:
-            result["stop"] = f"predicted peak {float(predicted) / GIB:.2f} GiB at {length} tokens > cap"
-            break
-        elif length > args.lengths[0] and float(spent) > args.budget_s:
-            result["stop"] = f"time budget ({args.budget_s:.0f} s) spent before {length} tokens"
-            break
+        if length != args.table_length:  # the table's length is measured whatever the cap
+            if result["stop"] is not None:
+                continue
+            if length > args.lengths[0] and float(predicted) > cap:
+                result["stop"] = f"predicted peak {float(predicted) / GIB:.2f} GiB at {length} tokens > cap"
+                continue
+            if length > args.lengths[0] and float(spent) > args.budget_s:
+                result["stop"] = f"time budget ({args.budget_s:.0f} s) spent before {length} tokens"
+                continue
         record = measure(args, length)
         history.append(record)
         result["records"].append(record)

@@ -1,6 +1,7 @@
 """LoRA end to end (launcher level): fine-tune a local GPT-2 checkpoint with LoRA on 2 ranks (1f1b,
 uneven slices, ln_f trained in full, a checkpoint every 2 steps, --merge_lora), then resume its
-step-2 checkpoint on 3 stages (the layout-free form, adapters only) up to step 4.
+step-2 checkpoint on 3 stages (the layout-free form, adapters only) and on the same 2 stages
+(DeepSpeed's files: bit for bit) up to step 4.
 
 Checks: the outputs are PEFT's (``adapter/`` loads with ``PeftModel.from_pretrained``, ``hf_model/``
 is its ``merge_and_unload``), every checkpoint tag is an adapter directory, the layout-free form holds
@@ -63,17 +64,20 @@ def losses(out) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 2-rank LoRA run of 4 steps, and its step-2 checkpoint resumed on 3 stages."""
+    """The 2-rank LoRA run of 4 steps, and its step-2 checkpoint resumed on 3 stages (layout-free)
+    and on the same 2 stages (DeepSpeed's files)."""
     base = tmp_path_factory.mktemp("lora_run")
     inputs = write_inputs(base)
     launch(2, inputs["flags"], base / "run")
-    resumed = base / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    os.symlink(base / "run" / "checkpoints" / "step2", resumed / "checkpoints" / "step2")
-    (resumed / "checkpoints" / "latest").write_text("step2")
-    log = launch(3, [*inputs["flags"], "--resume"], resumed)
-    assert "resumed from step2 at step 2 (8 samples consumed, layout-free)" in log, log[-3000:]
-    return {**inputs, "run": base / "run", "resumed": resumed}
+    out = {**inputs, "run": base / "run"}
+    for name, ranks, mode in (("resumed", 3, "layout-free"), ("same", 2, "same layout")):
+        resumed = out[name] = base / name
+        (resumed / "checkpoints").mkdir(parents=True)
+        os.symlink(base / "run" / "checkpoints" / "step2", resumed / "checkpoints" / "step2")
+        (resumed / "checkpoints" / "latest").write_text("step2")
+        log = launch(ranks, [*inputs["flags"], "--resume"], resumed)
+        assert f"resumed from step2 at step 2 (8 samples consumed, {mode})" in log, log[-3000:]
+    return out
 
 
 def peft_model(base: str, adapter: str):
@@ -157,3 +161,11 @@ def test_bad_lora_input_stops_before_work(tmp_path, monkeypatch, caplog, flags, 
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and message in errors[0], errors
     assert not out.exists(), "nothing may be written on bad input"
+
+
+@needs_launcher
+def test_resume_on_the_same_layout_is_bit_for_bit(runs):
+    assert losses(runs["same"]) == {s: loss for s, loss in losses(runs["run"]).items() if s > 2}
+    a = load_file(str(runs["same"] / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(runs["run"] / "adapter" / "adapter_model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
