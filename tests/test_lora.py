@@ -117,9 +117,11 @@ def test_default_targets_are_the_attention_and_mlp_projections():
 
 
 @pytest.mark.parametrize("section, expected", [
-    ({"target_modules": ["q_proj"]}, "--lora_target_modules: gpt2 has no module 'q_proj'; its linear modules are "
-                                     "c_attn, c_fc, c_proj, lm_head, wpe, wte"),
-    ({"target_modules": ["ln_1"]}, "'ln_1' is a LayerNorm, which peft's LoRA cannot wrap"),
+    ({"target_modules": ["q_proj"]}, "--lora_target_modules: gpt2 has no module 'q_proj'; the linear modules of "
+                                     "its blocks are c_attn, c_fc, c_proj"),
+    ({"target_modules": ["lm_head"]}, "--lora_target_modules: lm_head is not inside a decoder block"),
+    ({"target_modules": ["wte"]}, "'wte' is of type Embedding, which peft's LoRA cannot wrap"),
+    ({"target_modules": ["ln_1"]}, "'ln_1' is of type LayerNorm, which peft's LoRA cannot wrap"),
     ({"modules_to_save": ["embed_tokens"]}, "--modules_to_save: gpt2 has no module 'embed_tokens'"),
     ({"r": 0}, "--lora_r: the LoRA rank must be a positive integer"),
     ({"dropout": 1.5}, "--lora_dropout: must be in [0, 1)"),

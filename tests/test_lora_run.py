@@ -141,7 +141,8 @@ def test_export_writes_the_adapter_or_the_merged_model(runs, tmp_path):
 
 
 BAD = [(["--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"],
-        "--lora_target_modules: gpt2 has no module 'q_proj'; its linear modules are c_attn, c_fc, c_proj, lm_head"),
+        "--lora_target_modules: gpt2 has no module 'q_proj'; the linear modules of its blocks are c_attn, c_fc, "
+        "c_proj"),
        (["--lora_r", "4", "--modules_to_save", "norm"], "--modules_to_save: gpt2 has no module 'norm'"),
        (["--merge_lora"], "--merge_lora: there is no LoRA to merge"),
        (["--adapter_name_or_path", "/nonexistent"], "--adapter_name_or_path /nonexistent: no adapter_config.json")]

@@ -147,18 +147,26 @@ def check(settings: LoraSettings | None, model_config) -> LoraSettings | None:
         raise ConfigError(f"{FLAGS['r']}: peft cannot wrap {model_type} models here (no default targets); name "
                           f"them with {FLAGS['target_modules']} or train without LoRA")
     from .checkpoint import meta_model
-    modules = dict(meta_model(model_config).named_modules())
+    model = meta_model(model_config)
+    modules = dict(model.named_modules())
+    blocks = next(name for name, m in modules.items() if isinstance(m, nn.ModuleList)) + "."
     wrappable = _wrappable_types()
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items() if isinstance(m, wrappable)})
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, m in modules.items()
+                     if isinstance(m, wrappable) and name.startswith(blocks)})
     for target in settings.targets(model_type):
-        found = [m for name, m in modules.items() if _matches(name, target)]
+        found = {name: m for name, m in modules.items() if _matches(name, target)}
         if not found:
-            raise ConfigError(f"{FLAGS['target_modules']}: {model_type} has no module {target!r}; its linear "
-                              f"modules are {', '.join(leaves)}")
-        bad = sorted({type(m).__name__ for m in found if not isinstance(m, wrappable)})
+            raise ConfigError(f"{FLAGS['target_modules']}: {model_type} has no module {target!r}; the linear "
+                              f"modules of its blocks are {', '.join(leaves)}")
+        bad = sorted({type(m).__name__ for m in found.values() if not isinstance(m, wrappable)})
         if bad:
-            raise ConfigError(f"{FLAGS['target_modules']}: {target!r} is a {'/'.join(bad)}, which peft's LoRA "
+            raise ConfigError(f"{FLAGS['target_modules']}: {target!r} is of type {'/'.join(bad)}, which peft's LoRA "
                               f"cannot wrap; name linear modules: {', '.join(leaves)}")
+        outside = sorted(name for name in found if not name.startswith(blocks))
+        if outside:
+            raise ConfigError(f"{FLAGS['target_modules']}: {outside[0]} is not inside a decoder block: adapters "
+                              f"go into the blocks' linear modules ({', '.join(leaves)}); train embeddings and "
+                              f"the head in full with {FLAGS['modules_to_save']}")
     names = sorted({name.rsplit(".", 1)[-1] for name in modules if name})
     for keep in settings.modules_to_save:
         if not any(_matches(name, keep) for name in modules):
@@ -168,8 +176,10 @@ def check(settings: LoraSettings | None, model_config) -> LoraSettings | None:
 
 
 def _wrappable_types() -> tuple[type, ...]:
+    """What peft's LoRA wraps that the pipeline runs adapted (its embedding LoRA is not wired into
+    the slice embedding, ``model.embedding_grad``)."""
     from transformers.pytorch_utils import Conv1D
-    return (nn.Linear, Conv1D, nn.Embedding)
+    return (nn.Linear, Conv1D)
 
 
 def _matches(name: str, target: str) -> bool:
