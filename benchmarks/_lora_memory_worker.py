@@ -34,8 +34,10 @@ def llama_config(args):
 def ds_config(args, length: int) -> dict:
     terapipe = {"seq_len": length, "slices": f"uniform:{max(1, length // args.slice_tokens)}", "schedule": "1f1b",
                 "bind_cores": True}
-    if args.variant == "lora":
-        terapipe["lora"] = {"r": args.r}
+    if args.variant.startswith("lora"):
+        terapipe["lora"] = {"r": args.r, **getattr(args, "lora_extra", {})}
+    if args.variant == "lora_head":  # the LM head trained in full too
+        terapipe["lora"]["modules_to_save"] = ["lm_head"]
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
             "pipeline": {"stages": 2, "activation_checkpoint_interval": int(args.ckpt), "use_reentrant": False},
@@ -56,6 +58,8 @@ def measure(args, length: int) -> dict:
     reset_hwm()
     base = rss_bytes()
     engine, *_ = initialize(meta_model(llama_config(args)), ds_config(args, length), seed=0)
+    build_peak = hwm_bytes()
+    reset_hwm()
     params = list(engine.module.parameters())
     grads = {}
     step = engine._exec_optimizer_step
@@ -64,15 +68,21 @@ def measure(args, length: int) -> dict:
         grads["bytes"] = tensor_bytes(p.grad for p in params if p.grad is not None)
         return step(*a, **k)
     engine._exec_optimizer_step = before_step
+    from tp_trainer.memory import ActivationTracker
+    from _long_context_worker import track_activations
+    tracker = ActivationTracker(engine.module.parameters())
+    track_activations(engine, tracker)
     gen = torch.Generator().manual_seed(length)
     block = torch.randint(0, args.vocab, (1, length + 1), generator=gen)
     began = time.perf_counter()
     loss = float(engine.train_batch(iter([(block[:, :-1], block[:, 1:])])))
     seconds = time.perf_counter() - began
     state = [t for s in base_optimizer(engine).state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
-    record = {"length": length, "stage": engine.stage_id, "base_bytes": base, "peak_bytes": hwm_bytes(),
+    record = {"length": length, "stage": engine.stage_id, "base_bytes": base, "peak_bytes": max(build_peak, hwm_bytes()),
+              "build_peak_bytes": build_peak, "steps_peak_bytes": hwm_bytes(),
               "param_bytes": tensor_bytes(params), "trainable_bytes": tensor_bytes(p for p in params if p.requires_grad),
               "grad_bytes": grads.get("bytes", 0), "optimizer_bytes": tensor_bytes(state), "step_s": seconds,
+              "activations_bytes": tracker.peak,
               "loss": loss, "load": os.getloadavg()[0]}
     release_engine(engine)
     del engine, params
@@ -85,16 +95,18 @@ def worker(args) -> None:
     import torch.distributed as tdist
     from _ranks import quiet_deepspeed
     from tp_trainer.initialize import init_process_group
+    from tp_trainer.memory import lean_heap
     quiet_deepspeed()
+    lean_heap()  # RSS follows the bytes in use (freed tensors go back to the OS), as long_context's (e)
     init_process_group()
     rank, cap, history = int(os.environ["RANK"]), args.cap_gib * GIB, []
     result = {"variant": args.variant, "records": [], "stop": None}
     began = time.perf_counter()
     for length in args.lengths:
         points = [(r["length"], r["base_bytes"], r["peak_bytes"]) for r in history]
-        predicted = torch.tensor([predict_peak(points, length) if points else 0.0])
+        predicted = torch.tensor([float(predict_peak(points, length)) if points else 0.0], dtype=torch.float64)
         tdist.all_reduce(predicted, op=tdist.ReduceOp.MAX)
-        spent = torch.tensor([time.perf_counter() - began])
+        spent = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
         tdist.all_reduce(spent, op=tdist.ReduceOp.MAX)
         if length != args.table_length:  # the table's length is measured whatever the cap
             if result["stop"] is not None:
@@ -119,6 +131,8 @@ def main() -> None:
     args = SimpleNamespace(**json.loads(sys.argv[1]))
     from _ranks import run_rank
     run_rank(worker, args)
+    from tp_trainer.failures import leave
+    leave(0)  # results are written: skip the process group's destructors (an exit with gloo's threads aborts)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 
 Model: Llama-style, 8 layers x 1024 hidden, 16 heads, 4 KV heads, intermediate 2816, vocabulary
 32000, untied head (~155 M parameters), seeded init, fp32, 2 stages on 2 CPU ranks (1 thread each,
-gloo), batch 1, slices of 512 tokens, 1f1b, AdamW. Variants: full fine-tuning, and LoRA r=8 on
-q/k/v/o_proj and gate/up/down_proj (``terapipe.lora``; base weights frozen). Each variant runs in
+gloo), batch 1, slices of 512 tokens, 1f1b, AdamW. Variants: full fine-tuning, LoRA r=8 on
+q/k/v/o_proj and gate/up/down_proj (``terapipe.lora``; base weights frozen), and (at ``--length``
+only) the same LoRA with the LM head trained in full (``modules_to_save``). Each variant runs in
 its own pair of ranks (``_lora_memory_worker.py``): ``--length`` (the table's, measured whatever the
 cap) and lengths growing by 1.5x from ``--start``; the sweep stops before a length whose predicted peak RSS (any stage; a + b L + c L^2 on the lengths measured,
 +10%) passes ``--cap_gib`` per rank, or once ``--budget_min`` minutes are spent.
@@ -46,6 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget_min", type=float, default=6.0, help="per variant")
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--slice_tokens", type=int, default=512)
+    parser.add_argument("--model", default="{}", help='JSON overrides of the model, e.g. {"layers": 2}')
     parser.add_argument("--out", default="benchmarks/results/lora_memory")
     return parser.parse_args(argv)
 
@@ -59,9 +61,11 @@ def lengths(start: int, stop: int) -> list[int]:
 
 
 def run_variant(args, variant: str, work: str) -> dict:
-    model = QUICK if args.quick else MODEL
+    model = {**(QUICK if args.quick else MODEL), **json.loads(args.model)}
+    model["lora_extra"] = model.pop("lora", {})
     settings = {**model, "variant": variant, "r": args.r, "cap_gib": args.cap_gib, "ckpt": False,
-                "lengths": [512] if args.quick else sorted(set(lengths(args.start, args.max_len)) | {args.length}),
+                "lengths": [512] if args.quick else [args.length] if variant == "lora_head" else
+                sorted(set(lengths(args.start, args.max_len)) | {args.length}),
                 "table_length": 512 if args.quick else args.length, "work": work,
                 "budget_s": 60 * args.budget_min, "slice_tokens": args.slice_tokens}
     launch(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lora_memory_worker.py"), 2,
@@ -81,16 +85,18 @@ def longest(result: dict, cap: float, ladder: list[int]) -> int:
 
 
 def report(results: dict, args, length: int) -> tuple[dict, str]:
-    full, lora = at(results["full"], length), at(results["lora"], length)
+    full, lora, head = at(results["full"], length), at(results["lora"], length), at(results["lora_head"], length)
     lines = [f"LoRA r={args.r} vs full fine-tuning, {length} tokens, fp32, 2 stages "
              f"({time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, load "
              f"{os.getloadavg()[0]:.1f})", "",
-             "| stage | variant | parameters MiB | gradients MiB | optimizer state MiB | peak RSS MiB (above start) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| stage | variant | parameters MiB | gradients MiB | optimizer state MiB | peak saved activations MiB "
+             "| peak RSS MiB (above start) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for stage in sorted(full):
-        for name, rec in (("full", full[stage]), ("LoRA", lora[stage])):
+        for name, rec in (("full", full[stage]), ("LoRA", lora[stage]), ("LoRA + lm_head in full", head[stage])):
             lines.append(f"| {stage} | {name} | {rec['param_bytes'] / MIB:.0f} | {rec['grad_bytes'] / MIB:.1f} | "
-                         f"{rec['optimizer_bytes'] / MIB:.1f} | {rec['peak_bytes'] / MIB:.0f} "
+                         f"{rec['optimizer_bytes'] / MIB:.1f} | {rec['activations_bytes'] / MIB:.0f} | "
+                         f"{rec['peak_bytes'] / MIB:.0f} "
                          f"({(rec['peak_bytes'] - rec['base_bytes']) / MIB:.0f}) |")
     state = {k: sum(r["grad_bytes"] + r["optimizer_bytes"] for r in v.values()) for k, v in (("full", full),
                                                                                              ("lora", lora))}
@@ -116,7 +122,7 @@ def report(results: dict, args, length: int) -> tuple[dict, str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     work = tempfile.mkdtemp(prefix="lora_memory_")
-    results = {variant: run_variant(args, variant, work) for variant in ("full", "lora")}
+    results = {variant: run_variant(args, variant, work) for variant in ("full", "lora", "lora_head")}
     summary, text = report(results, args, 512 if args.quick else args.length)
     write_results(args.out + ("_quick" if args.quick else ""), summary, text)
 
