@@ -123,8 +123,13 @@ def worker(args) -> None:
         if rank == 0:
             print(f"[{args.variant}] {length} tokens: stage 0 peak {record['peak_bytes'] / GIB:.2f} GiB, "
                   f"step {record['step_s']:.1f} s", flush=True)
-        with open(os.path.join(args.work, f"{args.variant}.rank{rank}.json"), "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
+        save(args, rank, result)
+    save(args, rank, result)  # with the reason the sweep stopped
+
+
+def save(args, rank: int, result: dict) -> None:
+    with open(os.path.join(args.work, f"{args.variant}.rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
 
 
 def main() -> None:

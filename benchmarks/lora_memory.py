@@ -5,7 +5,8 @@
 
 Model: Llama-style, 8 layers x 1024 hidden, 16 heads, 4 KV heads, intermediate 2816, vocabulary
 32000, untied head (~155 M parameters), seeded init, fp32, 2 stages on 2 CPU ranks (1 thread each,
-gloo), batch 1, slices of 512 tokens, 1f1b, AdamW. Variants: full fine-tuning, LoRA r=8 on
+gloo), batch 1, slices of 512 tokens, 1f1b, AdamW, no activation checkpointing (``--ckpt``: every
+layer, non-reentrant). Variants: full fine-tuning, LoRA r=8 on
 q/k/v/o_proj and gate/up/down_proj (``terapipe.lora``; base weights frozen), and (at ``--length``
 only) the same LoRA with the LM head trained in full (``modules_to_save``). Each variant runs in
 its own pair of ranks (``_lora_memory_worker.py``): ``--length`` (the table's, measured whatever the
@@ -47,6 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget_min", type=float, default=6.0, help="per variant")
     parser.add_argument("--r", type=int, default=8)
     parser.add_argument("--slice_tokens", type=int, default=512)
+    parser.add_argument("--ckpt", action="store_true", help="activation checkpointing of every layer")
     parser.add_argument("--model", default="{}", help='JSON overrides of the model, e.g. {"layers": 2}')
     parser.add_argument("--out", default="benchmarks/results/lora_memory")
     return parser.parse_args(argv)
@@ -63,7 +65,7 @@ def lengths(start: int, stop: int) -> list[int]:
 def run_variant(args, variant: str, work: str) -> dict:
     model = {**(QUICK if args.quick else MODEL), **json.loads(args.model)}
     model["lora_extra"] = model.pop("lora", {})
-    settings = {**model, "variant": variant, "r": args.r, "cap_gib": args.cap_gib, "ckpt": False,
+    settings = {**model, "variant": variant, "r": args.r, "cap_gib": args.cap_gib, "ckpt": args.ckpt,
                 "lengths": [512] if args.quick else [args.length] if variant == "lora_head" else
                 sorted(set(lengths(args.start, args.max_len)) | {args.length}),
                 "table_length": 512 if args.quick else args.length, "work": work,
@@ -86,7 +88,8 @@ def longest(result: dict, cap: float, ladder: list[int]) -> int:
 
 def report(results: dict, args, length: int) -> tuple[dict, str]:
     full, lora, head = at(results["full"], length), at(results["lora"], length), at(results["lora_head"], length)
-    lines = [f"LoRA r={args.r} vs full fine-tuning, {length} tokens, fp32, 2 stages "
+    lines = [f"LoRA r={args.r} vs full fine-tuning, {length} tokens, fp32, 2 stages"
+             f"{', activation checkpointing' if args.ckpt else ''} "
              f"({time.strftime('%Y-%m-%d')}, {platform.node()}, {os.cpu_count()} cores, load "
              f"{os.getloadavg()[0]:.1f})", "",
              "| stage | variant | parameters MiB | gradients MiB | optimizer state MiB | peak saved activations MiB "
