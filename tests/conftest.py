@@ -36,3 +36,11 @@ def _remove_shm_buffers():
     from tp_trainer.ds_compat.shm import remove_leftovers
     while multirank.ISSUED_PORTS:
         remove_leftovers(multirank.ISSUED_PORTS.pop())
+
+
+@pytest.fixture(scope="session")
+def exactness_runs(tmp_path_factory):
+    """The exactness launches, each started on first use and shared by the session's test modules
+    (exactness_launch.py)."""
+    from exactness_launch import ExactnessRuns
+    return ExactnessRuns(tmp_path_factory)

@@ -30,7 +30,7 @@ def cases(world: int) -> list[dict]:
     must equal their zero-bubble twin.
     """
     if world == 4:  # DeepSpeed reduces data-parallel gradients in fp16 / bf16 / fp32 only
-        return [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1, dtypes=("f32",))
+        return [_case(2, 2, "uneven", False, "1f1b", replicas=2, zero=1, dtypes=("f32",), lora=())] + [_case(2, 2, "uneven", tied, schedule, replicas=2, zero=1, dtypes=("f32",))
                 for schedule, tied in itertools.product(("gpipe", "1f1b"), (True, False))] + [
                 _case(2, 2, "uneven", True, "gpipe", replicas=2, zero=0, dtypes=("f32",)),
                 _case(2, 2, "uneven", True, "1f1b", replicas=2, zero=1, dtypes=("f32",), zb=False)]
@@ -47,11 +47,24 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
+    if stages > 1:  # LoRA (tests/lora_cases.py): adapters with non-zero B, base weights frozen
+        out += lora_cases(stages)
     if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,
         # model/shared_half.py): slices starting at token 8 or later ([7, 5, 3, 1]: the last two) run
         # it on stage 0, the others on stage 1
         out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8, half=half)
                 for half in ("attn", "mlp") for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
+    return out
+
+
+def lora_cases(stages: int) -> list[dict]:
+    """LoRA on every block's c_attn / c_proj / c_fc: both orders, a frozen tied head, activation
+    checkpointing, W in the backward, and (2 stages) ln_f and the untied wte trained in full."""
+    out = [_case(stages, 3, "uneven", True, "gpipe", ckpt=True, lora=()),
+           _case(stages, 3, "uneven", False, "1f1b", lora=()),
+           _case(stages, 3, "uneven", True, "1f1b", zb=False, lora=())]
+    if stages == 2:
+        out.append(_case(stages, 3, "uneven", False, "gpipe", lora=("wte", "ln_f")))
     return out
 
 
@@ -64,14 +77,14 @@ CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm"
 
 
 def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
-          cut=False, shared=0, half="attn"):
+          cut=False, shared=0, half="attn", lora=None):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
     split = ({"names": SHARED_SPLITS[half], "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
     shared_name = {"attn": "-shared", "mlp": "-shared-mlp"}[half]
     return {"name": base + (shared_name if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
-            + ("" if zb else "-nozb"),
-            "same_as": base if ckpt or not zb or cut else None, "split": split,
+            + ("" if zb else "-nozb") + ("" if lora is None else "-lora" + "".join(f"-{m}" for m in lora)),
+            "same_as": base if (ckpt or not zb or cut) and lora is None else None, "split": split, "lora": lora,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
             "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb,
             "shared_half": half if shared else None}
@@ -104,4 +117,7 @@ def ds_config(case: dict) -> dict:
                                case["schedule"], case["zero"])
     config["pipeline"].update(activation_checkpoint_interval=int(case["ckpt"]), use_reentrant=False)
     config["terapipe"]["defer_weight_grads"] = case["zb"]  # W's split and scheduled (zero-bubble) or not
+    if case.get("lora") is not None:
+        import lora_cases
+        config["terapipe"]["lora"] = lora_cases.section(case)
     return config

@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
+import lora_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
 
 
@@ -17,17 +18,23 @@ def run_case(case, dtype, export=None):
     return harness.train_case(ec.tiny_model(case["tied"], dtype=dtype), ec.ds_config(case),
                               lambda step, replica: ec.batches(case, step, replica), ec.STEPS,
                               lambda replica: ec.batches(case, ec.EVAL_STEP, replica), split=case["split"],
-                              export=export)
+                              export=export, inspect=lora_cases.footprint if case["lora"] is not None else None)
+
+
+def exports(case) -> bool:
+    """A shared attention half's case exports its trained weights, a LoRA case its adapter."""
+    return isinstance(case["split"], dict) or case["lora"] is not None
 
 
 def main():
     world, out_dir = int(sys.argv[1]), sys.argv[2]
-    # a shared attention half's case also exports its trained weights (each written once)
     results = {f"{case['name']}@{key}": run_case(case, dtype, os.path.join(out_dir, f"hf-{case['name']}@{key}")
-                                                 if isinstance(case["split"], dict) else None)
+                                                 if exports(case) else None)
                for case in ec.cases(world)
                for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
     harness.save_rank(results, out_dir)
+    if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
+        lora_cases.precision_runs(world, out_dir)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
+import lora_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
 
 from tp_trainer import engine as engine_module  # noqa: E402
@@ -93,15 +94,37 @@ MUTATIONS = {"none": contextlib.nullcontext, "drop_kv_grad": _drop_kv_grad, "shi
              "wrong_last_slice": _wrong_last_slice, "clip_per_stage": _clip_per_stage}
 
 
+# LoRA (tests/lora_cases.py): the same case with adapters (non-zero B), checked against HF + PEFT
+LORA_CASE = ec._case(2, 2, "uneven", True, "gpipe", lora=())
+
+
+def _drop_adapter_grad():
+    """Stage 1 drops the weight gradient its c_fc adapter's B matrix (shape (4 x 32, r)) gets from
+    the 3-token slice (x: microbatch x 3 rows): the gradient exists, and is wrong."""
+    from tp_trainer.model import weight_grad
+    apply = weight_grad._apply
+
+    def dropped(weight, *rest):
+        if (os.environ["RANK"] == "1" and tuple(weight.shape) == (4 * 32, lora_cases.R)
+                and rest[-1].shape[0] == ec.MICRO_BATCH * 3):
+            return
+        apply(weight, *rest)
+    return mock.patch.object(weight_grad, "_apply", dropped)
+
+
+LORA_MUTATIONS = {"lora_none": contextlib.nullcontext, "lora_drop_adapter_grad": _drop_adapter_grad}
+
+
 def main():
     out_dir = sys.argv[1]
     results = {}
-    for name, mutation in MUTATIONS.items():
-        with mutation():
-            results[name] = harness.train_case(
-                ec.tiny_model(CASE["tied"], dtype=torch.float64), ec.ds_config(CASE),
-                lambda step, replica: ec.batches(CASE, step, replica), ec.STEPS,
-                lambda replica: ec.batches(CASE, ec.EVAL_STEP, replica))
+    for case, mutations in ((CASE, MUTATIONS), (LORA_CASE, LORA_MUTATIONS)):
+        for name, mutation in mutations.items():
+            with mutation():
+                results[name] = harness.train_case(
+                    ec.tiny_model(case["tied"], dtype=torch.float64), ec.ds_config(case),
+                    lambda step, replica: ec.batches(case, step, replica), ec.STEPS,
+                    lambda replica: ec.batches(case, ec.EVAL_STEP, replica))
     harness.save_rank(results, out_dir)
 
 

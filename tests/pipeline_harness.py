@@ -67,7 +67,8 @@ def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, sl
     }
 
 
-def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None, export=None) -> dict:
+def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None, export=None,
+               inspect=None) -> dict:
     """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step, replica)`` gives the
     step's microbatches [(input_ids, labels), ...] of a data-parallel replica, ``eval_batches(replica)``
     those evaluated after training.
@@ -78,7 +79,8 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     the model's dtype (``exact_losses``: DeepSpeed broadcasts the loss in fp32), the eval loss.
     ``split``: layer names per stage (``StageSplit.from_names``; default the config's split), or
     {"names": ..., "shared_after": ...} for an attention half two stages share (model/kv_handoff.py).
-    ``export``: a directory the trained pipeline is saved to as an HF checkpoint (``save_hf_checkpoint``).
+    ``export``: a directory the trained pipeline is saved to as an HF checkpoint (``save_hf_checkpoint``;
+    with LoRA its PEFT adapter, ``lora_io.save_adapter``). ``inspect(engine)``: returned as "inspect".
     """
     from tp_trainer.initialize import initialize
     from tp_trainer.model.pipeline import hf_named_parameters
@@ -112,13 +114,17 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
             exact_losses.append(float(sum(engine.fwd_outputs) / engine.micro_batches))
     params = {n: p.detach().clone() for n, p in named.items()}
     eval_loss = float(engine.eval_batch(iter(eval_batches(replica)))) if eval_batches is not None else None
-    if export is not None:
+    if export is not None and getattr(engine.module, "lora_settings", None) is not None:
+        from tp_trainer.lora_io import save_adapter
+        save_adapter(engine, export)
+    elif export is not None:
         from tp_trainer.checkpoint import save_hf_checkpoint
         save_hf_checkpoint(engine, export, model.config)
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
-            "layer_types": [type(f).__name__ for f in engine.module.forward_funcs]}
+            "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
+            "inspect": inspect(engine) if inspect is not None else None}
 
 
 def save_rank(results: dict, out_dir: str) -> None:

@@ -14,27 +14,20 @@ distance (with a floor of a few fp32 ulps), which holds on any CPU's kernels.
 import os
 
 import exactness_cases as ec
+import lora_cases
 import pipeline_harness as harness
 import pytest
 import torch
-from multirank import run_ranks
+from exactness_launch import WORLDS
 
-WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
-WORLDS = (1, 2, 3, 4)
 ALL_CASES = [case for world in WORLDS for case in ec.cases(world)]
 
 
 @pytest.fixture(scope="module")
-def pipeline_results(tmp_path_factory):
+def pipeline_results(exactness_runs):
     """{"<case name>@f64" / "@f32": results merged over the ranks of its launch}; "_dirs": the
-    launches' output directories (a shared half's cases export there)."""
-    merged = {"_dirs": []}
-    for world in WORLDS:
-        out_dir = tmp_path_factory.mktemp(f"world{world}")
-        run_ranks(WORKER, world, [str(world), str(out_dir)], timeout=600)
-        merged.update(harness.merge_ranks(out_dir, world))
-        merged["_dirs"].append(out_dir)
-    return merged
+    launches' output directories (a shared half's cases export there). Shared with test_lora.py."""
+    return exactness_runs
 
 
 def exported(pipeline_results, case, key) -> dict:
@@ -49,6 +42,8 @@ def exported(pipeline_results, case, key) -> dict:
 
 def reference(case, dtype) -> dict:
     """The plain HF model trained on the whole global batch (harness.reference: AdamW, clipping)."""
+    if case["lora"] is not None:  # HF + PEFT (test_lora.py checks the rest of a LoRA case)
+        return lora_cases.reference(case, dtype)
     return harness.reference(ec.tiny_model(case["tied"], dtype=dtype), lambda step: ec.batches(case, step),
                              ec.STEPS, ec.batches(case, ec.EVAL_STEP))
 

@@ -1,12 +1,14 @@
 """The exactness check can fail: the float64 check of pipeline_harness passes the real engine and
 fails each deliberately broken one (mutation_worker.py: a dropped K/V gradient, shifted position
 ids, a skipped tied-weight reduction, a mis-weighted slice loss, the last slice scored against the
-wrong labels, clipping by each stage's own norm). One launch of 2 ranks trains them all.
+wrong labels, clipping by each stage's own norm; with LoRA, one stage's adapter gradients dropped).
+One launch of 2 ranks trains them all.
 """
 
 import os
 
 import exactness_cases as ec
+import lora_cases
 import mutation_worker as mw
 import pipeline_harness as harness
 import pytest
@@ -44,3 +46,23 @@ def test_mutation_fails(rank_files, exact, mutation):
     with pytest.raises(AssertionError) as failure:
         check(rank_files, exact, mutation)
     print(f"{mutation}: {str(failure.value).splitlines()[0]}")
+
+
+@pytest.fixture(scope="module")
+def lora_exact():
+    return lora_cases.reference(mw.LORA_CASE, torch.float64)
+
+
+@pytest.mark.parametrize("mutation", list(mw.LORA_MUTATIONS))
+def test_lora(rank_files, lora_exact, mutation):
+    """LoRA against HF + PEFT: the real engine passes; with one slice's gradient of stage 1's c_fc
+    adapter (B) dropped the check fails, and step 0's gradients differ at that adapter alone."""
+    if mutation == "lora_none":
+        check(rank_files, lora_exact, mutation)
+        return
+    with pytest.raises(AssertionError) as failure:
+        check(rank_files, lora_exact, mutation)
+    grads = harness.distances(harness.merge_ranks(rank_files, 2, only=mutation)[mutation], lora_exact)["grad"]
+    wrong = {name for name, value in grads.items() if value > harness.F64_TOL["grad"]}
+    assert wrong == {"transformer.h.2.mlp.c_fc.lora_B.default.weight"}, wrong
+    print(f"{mutation}: {str(failure.value).splitlines()[0]}; wrong gradients: {sorted(wrong)}")

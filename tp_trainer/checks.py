@@ -55,6 +55,7 @@ def validate(args, world_size: int) -> RunSpec:
     if args.block_size is not None:
         section["seq_len"] = args.block_size
     keep_cost_model(section, args.output_dir, args.resume)
+    merge_lora_flags(section, args)
     seq_len = section.get("seq_len", 1024)
     data = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
                     train_file=args.train_file, validation_file=args.validation_file, text_column=args.text_column,
@@ -66,6 +67,7 @@ def validate(args, world_size: int) -> RunSpec:
     checked = checkpoint_config if checkpoint_config is not None else preset(args.config_name, vocab_size=1)
     apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
     pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
+    check_lora(pipeline.terapipe, checked, args)
     check_checkpointable(ds_config, args)
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
     if args.resume:
@@ -74,6 +76,21 @@ def validate(args, world_size: int) -> RunSpec:
                                    args.reset_optimizer, args.reset_data_position)
         spec = RunSpec(**{**spec.__dict__, "resume_from": resume_from})
     return spec
+
+
+def merge_lora_flags(section: dict, args) -> None:
+    """The ``--lora_*`` flags into ``terapipe.lora`` (they win over the config's values)."""
+    from .lora import merge_flags
+    merge_flags(section, args)
+
+
+def check_lora(terapipe: TeraPipeConfig, config, args) -> None:
+    """LoRA's targets against the model (one ``error:`` line listing its modules), before any work;
+    the checked settings (with an adapter's own r / targets) replace the section's."""
+    from .lora import check
+    if args.merge_lora and terapipe.lora is None:
+        raise ConfigError("--merge_lora: there is no LoRA to merge; add --lora_r (or terapipe.lora)")
+    terapipe.lora = check(terapipe.lora, config)
 
 
 COST_MODEL_FILE = "cost_model.json"

@@ -105,8 +105,16 @@ class TeraPipeConfig:
     there are fewer cores than ranks; no effect on GPUs. false: the launcher's defaults (every rank
     on every core, torch's default thread count)."""
 
+    lora: object = None
+    """LoRA through peft: {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": [...],
+    "modules_to_save": [...], "adapter_name_or_path": DIR} (``lora.LoraSettings``; the ``--lora_*``
+    flags win; checked against the model by ``lora.check``, which makes it a ``LoraSettings``). Base
+    weights frozen; each stage injects adapters into its own layers. None: off."""
+
     def __post_init__(self):
         self._check_memory_limit()
+        if self.lora is not None and not isinstance(self.lora, dict) and type(self.lora).__name__ != "LoraSettings":
+            raise ConfigError(f"terapipe.lora: must be an object such as {{\"r\": 8}}, got {self.lora!r}")
         if not isinstance(self.bind_cores, bool):
             raise ConfigError(f"terapipe.bind_cores: must be true or false, got {self.bind_cores!r}")
         if not isinstance(self.share_halves, bool):

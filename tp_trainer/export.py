@@ -11,6 +11,8 @@ layer specs built on a meta model: spec XX is ``HFPart(inner, hf_name, ctx)`` ->
 
 A checkpoint with the layout-free form (``checkpoint/layout_free.py``, written by every save since
 layout-free resume) is read from that instead: its tensors are already named as in the HF model.
+A LoRA checkpoint's tag is a PEFT adapter directory: OUT becomes a copy of it, or with
+``--merge_lora`` the base model (``--model_name_or_path``, else the adapter's base) merged (lora_io.py).
 
 The model config: ``--model_name_or_path`` (the checkpoint training started from), else a
 config.json in the checkpoint directory, else the ``--config_name`` preset with the vocabulary
@@ -31,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from .checkpoint.hf_load import CheckpointError, checkpoint_config, meta_model, persistent_tensors, stage_modules
+from . import lora_io
 from .checkpoint import layout_free
 from .checkpoint.hf_save import finish, fresh_tmp, shard_file, write_shard
 from .config import ConfigError
@@ -209,6 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config_name", default="gpt2-tiny", help="preset the training used without a checkpoint")
     parser.add_argument("--tokenizer_name", help="tokenizer to save beside the weights")
     parser.add_argument("--no_tokenizer", action="store_true", help="write no tokenizer files")
+    parser.add_argument("--merge_lora", action="store_true", help="a LoRA checkpoint: write the base model "
+                        "with the adapter merged (default: the PEFT adapter directory)")
     parser.add_argument("--deepspeed_config", help="accepted so the training flags can be reused; not needed "
                                                    "(layer files carry global layer indices)")
     return parser.parse_args(argv)
@@ -218,6 +223,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         ckpt = tag_dir(args.checkpoint_dir, args.tag)
+        if lora_io.is_lora_checkpoint(ckpt):  # the adapter, or with --merge_lora the merged model
+            lora_io.export_checkpoint(ckpt, args.output_dir, args.merge_lora, args.model_name_or_path,
+                                      resolve_tokenizer(args) if args.merge_lora else None)
+            print(f"wrote {args.output_dir}")
+            return 0
         config = resolve_config(args, ckpt)
         adapter_for(config)
         export_from_deepspeed(args.checkpoint_dir, config, args.output_dir, tag=os.path.basename(ckpt),

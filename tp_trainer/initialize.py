@@ -22,6 +22,7 @@ from .config import load_ds_config
 from .cpu_binding import bind_cores, local_ranks
 from .engine import TeraPipeEngine
 from .failures import together
+from .lora import add_lora
 from .ds_compat import stage_of_rank
 from .memory import current_rss_mb
 from .model.pipeline import build_pipeline_module
@@ -87,6 +88,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
              device=device, split=split)
     module = build_pipeline_module(model, stages, split=split)
+    together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
         module.activation_checkpoint_interval = int(layout.ckpt[stage_of_rank(module)])
     ds_config = planned_ds_config(spec.ds_config, layout)
@@ -173,6 +175,6 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
-                terapipe.share_halves)
+                terapipe.share_halves, lora=terapipe.lora)
 
 

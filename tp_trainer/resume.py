@@ -80,6 +80,8 @@ def save(engine, ckpt: str, step: int, samples: int, config=None) -> str:
     with_layout_free = optimizer_state.supported(engine)
     if with_layout_free:
         layout_free.save(engine, tag_dir)
+    from .lora_io import save_checkpoint_adapter
+    save_checkpoint_adapter(engine, tag_dir)  # LoRA: the tag is a PEFT adapter directory too
     commit(engine, ckpt, tag, step, samples, config, with_layout_free)
     return tag
 

@@ -184,6 +184,10 @@ def _finish(job: Job, args: RunArgs, rank: int, losses: list[float]) -> None:
     engine = job.engine
     if rank == 0 and losses:
         log.info("done: loss %.4f -> %.4f over %d steps", losses[0], losses[-1], len(losses))
+    if getattr(engine.module, "lora_settings", None) is not None:  # adapter/, merged hf_model/: lora_io.py
+        from .lora_io import save_outputs
+        save_outputs(engine, args, job.config, job.tokenizer)
+        return
     if args.save_hf:
         from .checkpoint import save_hf_checkpoint
         target = os.path.join(args.output_dir, "hf_model")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from .config import ConfigError
 
-GROUPS = ("model", "data", "training")
+GROUPS = ("model", "data", "training", "lora")
 
 
 def _flag(default, help_text: str | None, group: str, **argparse_kwargs):
@@ -63,6 +63,21 @@ class RunArgs:
                                  "training")
     seed: int = _flag(1234, None, "training")
     output_dir: str = _flag("runs/latest", "where the plan and logs are written", "training")
+
+    # ------------------------------------------------------------------ lora (tp_trainer/lora.py)
+    lora_r: int | None = _flag(None, "LoRA rank: fine-tune low-rank adapters through peft, base weights frozen "
+                               "(also terapipe.lora.r; the flags win)", "lora")
+    lora_alpha: float | None = _flag(None, "LoRA alpha (scale alpha / r; default r)", "lora")
+    lora_dropout: float | None = _flag(None, "dropout on the adapters' input (default 0)", "lora")
+    lora_target_modules: str | None = _flag(
+        None, "comma-separated module names to adapt (default: the family's attention and MLP projections, "
+        "e.g. GPT-2's c_attn,c_proj,c_fc; Llama's q/k/v/o_proj,gate/up/down_proj)", "lora")
+    modules_to_save: str | None = _flag(None, "comma-separated modules trained in full beside the adapters, "
+                                        "e.g. wte,ln_f", "lora")
+    adapter_name_or_path: str | None = _flag(None, "continue from this PEFT adapter directory (its r, alpha "
+                                             "and targets)", "lora")
+    merge_lora: bool = _flag(False, "also write the model with the adapters merged to <output_dir>/hf_model",
+                             "lora", action="store_true")
 
     def check(self):
         """Flag values (checked in ``run`` with the other input checks)."""

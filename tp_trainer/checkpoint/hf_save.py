@@ -103,11 +103,12 @@ def finish(tmp: str, output_dir: str, shards: list[dict[str, int]], files: list[
 
 
 def save_hf_checkpoint(engine, output_dir: str, config, tokenizer=None, generation_config=None,
-                       dtype: torch.dtype | None = None) -> str:
+                       dtype: torch.dtype | None = None, state=None) -> str:
     """Write the pipeline's weights as an HF directory ``output_dir``; call on EVERY rank.
 
     ``config``: the HF config of the trained model; ``tokenizer``: saved beside it when given;
-    ``dtype``: cast the weights (default: as the stages hold them). Returns ``output_dir``.
+    ``dtype``: cast the weights (default: as the stages hold them); ``state``: the stage's tensors by
+    HF name (default ``stage_state``; LoRA: ``lora_io.merged_state``). Returns ``output_dir``.
     """
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,7 +118,7 @@ def save_hf_checkpoint(engine, output_dir: str, config, tokenizer=None, generati
         raise CheckpointError(f"save_hf_checkpoint {output_dir}: {box[0][1]}")
     tmp, stage, stages = box[0][0], engine.stage_id, engine.num_stages
     writer = engine.grid.data_parallel_id == 0
-    tensors = stage_state(engine.module) if writer else {}
+    tensors = (state or stage_state)(engine.module) if writer else {}
     held = [None] * world
     dist.all_gather_object(held, (stage, sorted(tensors)))
     first = {}

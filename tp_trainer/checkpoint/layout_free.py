@@ -72,9 +72,13 @@ def save(engine, tag_dir: str) -> None:
 
 
 def _stage_tensors(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.nn.Parameter]]:
-    """(every HF-named tensor of this stage: parameters and persistent buffers, the parameters)."""
+    """(every HF-named tensor of this stage: parameters and persistent buffers, the parameters).
+    Frozen parameters (LoRA's base weights) are left out: they are the base checkpoint's, loaded
+    before any resume, and have no optimizer state."""
     params = hf_named_parameters(engine.module)
-    return {**stage_state(engine.module), **params}, params
+    frozen = {name for name, p in params.items() if not p.requires_grad}
+    trainable = {name: p for name, p in params.items() if name not in frozen}
+    return {**{n: t for n, t in stage_state(engine.module).items() if n not in frozen}, **trainable}, trainable
 
 
 def _gather(engine, names, params, mine: set, show: bool):

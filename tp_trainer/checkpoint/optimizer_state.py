@@ -41,7 +41,8 @@ def supported(engine) -> bool:
         return _flat_partitions(engine.optimizer) is not None
     optimizer = engine.optimizer
     held = {id(p) for group in getattr(optimizer, "param_groups", []) for p in group["params"]}
-    return isinstance(optimizer, torch.optim.Optimizer) and all(id(p) in held for p in engine.module.parameters())
+    return isinstance(optimizer, torch.optim.Optimizer) and all(id(p) in held for p in engine.module.parameters()
+                                                                if p.requires_grad)  # frozen: LoRA's base
 
 
 def _flat_partitions(wrapper):

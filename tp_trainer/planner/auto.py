@@ -74,7 +74,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                     granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
-                    split_blocks: bool = True, share_halves: bool = False) -> tuple[Layout, str]:
+                    split_blocks: bool = True, share_halves: bool = False, lora=None) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -100,6 +100,9 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                                                    time_budget_s, device, unit_limit, split_blocks)
     if not split_blocks:
         layers = layers.whole()
+    if lora is not None and layers.memory is not None:  # adapter state, not full state
+        from ..lora import planner_parts
+        layers = dataclasses.replace(layers, memory=planner_parts(layers.memory, lora, config))
     overhead = _overhead(baseline_mb) if memory_limit is not None else 0.0
     profiled = _profile_peaks(baseline_mb) if memory_limit is not None else None
     result = [None]

@@ -26,7 +26,8 @@ from before), the older estimates are used then (backward: the unit's saved byte
 checkpointed: a block's input per block + the ends' saved, backward twice a block's saved).
 A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own schedule
 (``stage_peak``: the same instruction lists the engine executes):
-    static       parameters + gradients + AdamW's two moments = 4 x the parameter bytes
+    static       parameters + gradients + AdamW's two moments = 4 x the parameter bytes (LoRA: the
+                 parameters + 3 x the trainable ones, ``PartMemory.trainable``)
     plan caches  the masks (``mask_bytes``) and the other per-plan tables: plan_token (the largest
                  of the stage's parts: its blocks share one table) a token of every distinct slice
     in flight    every forward unit (b sequences, slice l after context c) adds b (token l + pair
@@ -81,6 +82,12 @@ class PartMemory:
     back_ctx: float = 0.0
     ckpt_ctx: float = 0.0
     plan_token: float = 0.0
+    trainable: float = -1.0  # bytes with a gradient and optimizer state (-1: all; LoRA: lora.planner_parts)
+
+    @property
+    def static(self) -> float:
+        """Parameters + gradients + AdamW's two moments of the trainable ones."""
+        return self.params + 3.0 * (self.params if self.trainable < 0 else self.trainable)
 
     def transient(self, b, l, c, ckpt: bool) -> float | None:
         """The measured backward peak of one unit above its live bytes (None: not measured)."""
@@ -154,7 +161,7 @@ def stage_memory(parts: dict, names, hidden_bytes: float, first: bool, last: boo
     w_blocks = sum(W_HIDDENS[kind] for kind in kinds) * hidden_bytes
     w_head = parts["suffix"].token if last else 0.0  # the logits' gradient (the fused head loss: none)
     whole = _block_parts(parts, "block")
-    return StageMemory(static=4.0 * sum(p.params for p in held), token=sum(p.token for p in held),
+    return StageMemory(static=sum(p.static for p in held), token=sum(p.token for p in held),
                        pair=sum(p.pair for p in held), kv=sum(p.kv for p in held),
                        block_token=sum(p.token for p in whole), block_pair=sum(p.pair for p in whole),
                        kept_token=kept, input_token=0.0 if first else hidden_bytes,
