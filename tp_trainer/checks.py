@@ -79,7 +79,8 @@ def validate(args, world_size: int) -> RunSpec:
 
 
 def merge_lora_flags(section: dict, args) -> None:
-    """The ``--lora_*`` flags into ``terapipe.lora`` (they win over the config's values)."""
+    """The LoRA flags (``--lora_r``, ``--lora_alpha``, ...) into ``terapipe.lora`` (they win over the
+    config's values)."""
     from .lora import merge_flags
     merge_flags(section, args)
 

@@ -107,8 +107,8 @@ class TeraPipeConfig:
 
     lora: object = None
     """LoRA through peft: {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": [...],
-    "modules_to_save": [...], "adapter_name_or_path": DIR} (``lora.LoraSettings``; the ``--lora_*``
-    flags win; checked against the model by ``lora.check``, which makes it a ``LoraSettings``). Base
+    "modules_to_save": [...], "adapter_name_or_path": DIR} (``lora.LoraSettings``; the LoRA flags
+    (``--lora_r``, ...) win; checked against the model by ``lora.check``, which makes it a ``LoraSettings``). Base
     weights frozen; each stage injects adapters into its own layers. None: off."""
 
     def __post_init__(self):
