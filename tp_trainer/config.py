@@ -90,13 +90,14 @@ class TeraPipeConfig:
     analytic H100-like costs (benchmarks/block_split_sim.py), 8 stages of a Llama 16 x 2048 with a
     128k vocabulary, batch 4: 0.92x the whole-block step. false: whole blocks per stage."""
 
-    share_halves: bool = False
-    """Opt-in, with "auto" slices, ``split_blocks``, 2 stages and no memory limit: a half near the
-    boundary may also be held by both stages and run by slices (the early slices on the back stage,
-    the later ones on the front stage), balancing the stages to a slice's grain: an MLP half
+    share_halves: bool = True
+    """With "auto" slices, ``split_blocks``, 2 stages and no memory limit: a half near the boundary may
+    also be held by both stages and run by slices (the early slices on the back stage, the later ones
+    on the front stage), balancing the stages to a slice's grain: an MLP half
     (``model/shared_half.py``), or with SDPA attention an attention half (``model/kv_handoff.py``).
-    Measured on 2 CPU ranks (compare.py): +0.2% throughput in the default case, 2-3% at seq 8192,
-    within the runs' spread, so off by default."""
+    Side by side in one process pair (compare.py's default case, GPT-2 6 x 256, seq 1024, 3 runs):
+    the same 5 slices ran 0.492 s a step with h.3's MLP half shared against 0.507 s without (3%;
+    ``benchmarks/results/step_ab/shared_half_pair.md``). false: boundaries between halves only."""
 
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the

@@ -6,6 +6,7 @@
     predict.predict_time                  iteration time from the simulated schedule
     layer_cost.plan_layout                the stage split and the slices together, from per-layer costs
                                           (prefix, one block, suffix of a probe model, profiled)
+    refine.refine_slices                  the chosen slices moved while the simulated step falls
     memory_model / memory_plan            predicted peak per stage; the fastest plan (slices, order,
                                           checkpointing per stage) under terapipe.memory_limit_gib
     auto.measured_layout                  "slices": "auto" before the model is built (collective)

@@ -196,7 +196,8 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
     model counts a stage's layers whole)."""
     start = time.perf_counter()
     layout = plan_layout(layers, seq_len, batch, stages, granularity, microbatch_size, schedule, latency,
-                         per_byte, meta, shared=shared if memory_limit is None else ())
+                         per_byte, meta, shared=shared if memory_limit is None else (),
+                         refine=memory_limit is None)   # with a limit, memory_plan chooses the slices
     text = [layers.describe(latency, per_byte), describe_layout(layout, layers, analytic)]
     if memory_limit is not None:
         if layers.memory is None:
