@@ -120,6 +120,8 @@ def reduce_tied_grads(module, bf16_optimizer: bool) -> None:
             # without this rank (gloo waits for it, shared memory spins) and the copies would part
             weight.grad = torch.zeros_like(weight)
         grad = weight._hp_grad if bf16_optimizer else weight.grad
+        if grad is None:  # as DeepSpeed: nothing folded for this copy yet
+            continue
         if shared_memory_reduce(group, grad):
             dist.inference_all_reduce(grad)
         else:
