@@ -57,6 +57,9 @@ def ds_config(args, terapipe: dict | None = None, pipeline: dict | None = None) 
     if terapipe is not None:
         config["terapipe"] = {"seq_len": args.seq_len, "schedule": "gpipe",
                               "bind_cores": getattr(args, "bind_cores", True), **terapipe}
+    dtype = getattr(args, "dtype", "fp32")
+    if dtype != "fp32":  # DeepSpeed's bf16 (BF16_Optimizer, fp32 master weights) or fp16 (dynamic loss scale)
+        config[dtype] = {"enabled": True}
     return config
 
 
@@ -194,6 +197,8 @@ def single_model(args):
     model = meta_model(model_config(args))
     materialize_stage(model, 1, None, seed=args.seed, stage=0)
     model.lm_head.weight = model.transformer.wte.weight  # tied, as in the pipelines
+    if getattr(args, "dtype", "fp32") != "fp32":  # the weights in bf16 / fp16, as the pipelines compute
+        model.to({"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                                   fused=FUSED)

@@ -15,6 +15,7 @@ import statistics
 
 A, C, D = "(a) DeepSpeed 1F1B", "(c) TeraPipe DP", "(d) 1 process"
 WHOLE = "(c') TeraPipe DP, whole blocks"  # --whole_blocks: (c)'s cost model, no block cut
+C_IN_B = "(c W in B) TeraPipe DP, weight gradients in B"  # --w_in_b: (c)'s plan, no W's scheduled
 
 
 def ratio_goal(args) -> float:
@@ -59,7 +60,9 @@ def summarize_run(args, res: dict) -> dict:
             "predicted_s": res["predicted_s"], "slices": res["slices"],
             "first_loss": {n: res["losses"][n][0] for n in res["names"]},
             "whole_over_cut_paired": statistics.median(w / c for w, c in zip(steps[WHOLE], steps[C], strict=True))
-            if WHOLE in steps else None, "c_over_a_by_turn": _by_turn(steps, res["ranks"][0].get("follows"))}
+            if WHOLE in steps else None,
+            "in_b_over_w_paired": statistics.median(b / c for b, c in zip(steps[C_IN_B], steps[C], strict=True))
+            if C_IN_B in steps else None, "c_over_a_by_turn": _by_turn(steps, res["ranks"][0].get("follows"))}
 
 
 def _by_turn(steps: dict, follows: dict | None) -> dict | None:
@@ -95,7 +98,7 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
     bound = "each rank on its own core" if getattr(args, "bind_cores", True) else "ranks not bound to cores"
     lines = [(f"GPT-2 {args.n_layer} x {args.n_embd} ({args.n_head} heads, vocab {args.vocab_size}, dropout 0), "
               f"{k} stages, batch {args.batch} x seq {args.seq_len} = {tokens} tokens/step, microbatch size 1, "
-              f"1 thread/rank, {bound}, random tokens, AdamW; {len(runs)} runs (fresh process pairs) x ({args.warmup} "
+              f"1 thread/rank, {bound}, random tokens, AdamW, {getattr(args, 'dtype', 'fp32')}; {len(runs)} runs (fresh process pairs) x ({args.warmup} "
               f"warm-up + {args.steps} timed steps per variant), variants taking turns step by step"), "",
              ("| variant | slices | tokens/s | step s (median of run medians) | fastest step s | ratio to (a) "
               "| efficiency vs (d)/K | predicted s | first-step loss |"), "|---|---|---|---|---|---|---|---|---|"]
@@ -124,6 +127,9 @@ def render(args, names: list, runs: list[dict], wall_s: float, load_before: floa
                  f"{_spread([r['whole_over_cut_paired'] for r in runs])} (median (min-max) over runs; > 1: the cut "
                  f"is faster); splits: {last['splits'][C]} vs {last['splits'][WHOLE]}"]
                 if last.get("whole_over_cut_paired") else []),
+              *([f"{C_IN_B} over (c), paired per-step ratio: {_spread([r['in_b_over_w_paired'] for r in runs])} "
+                 f"(median (min-max) over runs; > 1: scheduling the W's is faster)"]
+                if last.get("in_b_over_w_paired") else []),
               *_turn_lines(runs), _probe_line(last), _timeline_line(last), _prediction_line(last),
               (f"load average (1 min) before: {load_before:.2f}; during runs (median per run): "
                f"{', '.join(format(r['load'], '.2f') for r in runs)} on {os.cpu_count()} cores "

@@ -13,7 +13,7 @@ every precision. The tokens follow a fixed random bigram table (each token has 4
 successors), so the loss falls from ln 512 = 6.2 toward ~1.5 and runs can be compared. fp16 uses
 DeepSpeed's dynamic loss scale (initial 2^16, hysteresis 1 so one overflow halves it). After the
 STEPS steps (fp16 / bf16; fp32 is the loss reference only) one more step runs with the gradient
-of one weight replaced by inf (a tensor hook). Reported are how many gradients the hook
+of one weight made inf (through its layer's output gradient, ``forced_overflow_of``). Reported are how many gradients the hook
 replaced, whether DeepSpeed skipped the step, the loss scale before / after, whether the weights
 stayed unchanged and finite, and one further normal step (recovery).
 """
@@ -86,33 +86,47 @@ def loss_scale(engine) -> float | None:
 
 
 def forced_overflow(engine, step: int) -> dict:
-    """One step with an inf gradient in ``OVERFLOW_PARAM``: skipped? scale? weights intact?"""
+    """One step with an inf gradient in ``OVERFLOW_PARAM`` (``forced_overflow_of``)."""
+    return forced_overflow_of(engine, OVERFLOW_PARAM, bigram_batches, step, loss_scale)
+
+
+def forced_overflow_of(engine, param_name: str, batches, step: int, scale_of) -> dict:
+    """One step (``batches(step)``) with the gradient of ``param_name`` made inf: skipped? scale
+    (``scale_of(engine)``)? weights intact? Then one normal step (recovery).
+
+    The inf enters through the output gradient of the layer holding the weight (a tensor hook on
+    its forward's output), so it reaches the weight's gradient wherever that is computed: in the
+    backward, or in a scheduled W (model/weight_grad.py), which no hook on the weight would see."""
     from tp_trainer.model.pipeline import hf_named_parameters
     named = hf_named_parameters(engine.module)
     before = {n: p.detach().clone() for n, p in named.items()}
-    scale_before, skipped_before = loss_scale(engine), engine.skipped_steps
+    scale_before, skipped_before = scale_of(engine), engine.skipped_steps
     injected = []
+    handle = None
+    if param_name in named:  # on the stage holding it
+        layer = next(m for m in engine.module.modules()
+                     if any(p is named[param_name] for p in m.parameters(recurse=False)))
 
-    def to_inf(grad):
-        # None where the engine defers this layer's weight gradient (fp32, model/weight_grad.py):
-        # then nothing is injected, and ``injected`` says so
-        if grad is None:
-            return None
-        injected.append(grad.numel())
-        return torch.full_like(grad, float("inf"))
+        def to_inf(grad):
+            injected.append(grad.numel())
+            return torch.full_like(grad, float("inf"))
 
-    handle = named[OVERFLOW_PARAM].register_hook(to_inf)
+        def hook_output(module, inputs, output):
+            if output.requires_grad:
+                output.register_hook(to_inf)
+        handle = layer.register_forward_hook(hook_output)
     try:
-        loss = float(engine.train_batch(iter(bigram_batches(step))))
+        loss = float(engine.train_batch(iter(batches(step))))
     finally:
-        handle.remove()
-    result = {"param": OVERFLOW_PARAM, "injected": len(injected), "loss": loss,
+        if handle is not None:
+            handle.remove()
+    result = {"param": param_name, "injected": len(injected), "loss": loss,
               "step_applied": bool(engine.was_step_applied()),
               "skipped_steps_delta": engine.skipped_steps - skipped_before,
-              "scale_before": scale_before, "scale_after": loss_scale(engine),
+              "scale_before": scale_before, "scale_after": scale_of(engine),
               "weights_finite": all(bool(torch.isfinite(p).all()) for p in named.values()),
               "weights_unchanged": all(torch.equal(before[n], p.detach()) for n, p in named.items())}
-    recovery = float(engine.train_batch(iter(bigram_batches(step + 1))))
+    recovery = float(engine.train_batch(iter(batches(step + 1))))
     result.update(recovery_loss=recovery, recovery_applied=bool(engine.was_step_applied()),
                   weights_finite_after_recovery=all(bool(torch.isfinite(p).all()) for p in named.values()))
     return result

@@ -3,7 +3,7 @@
     python benchmarks/compare.py [--stages 2] [--batch 1] [--seq_len 1024] [--n_layer 6] [--n_embd 256]
                                  [--uniform 2,4,8,16] [--steps 10] [--warmup 2] [--budget 35] [--runs 3]
                                  [--goal G] [--cost_model FILE] [--whole_blocks] [--out PREFIX]
-                                 [--plan LABEL=SLICES[|STAGE0:STAGE1[|AFTER]] ...]
+                                 [--plan LABEL=SLICES[|STAGE0:STAGE1[|AFTER]] ...] [--dtype fp32|bf16|fp16] [--w_in_b]
 
 Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens with
   (a) DeepSpeed's own PipelineModule + PipelineEngine (stock 1F1B TrainSchedule), microbatch size 1,
@@ -15,7 +15,12 @@ Trains the same GPT-2 (same seeded weights, dropout 0) on the same random tokens
   (d) one process, the whole HF model, no pipeline, one sequence at a time with gradient accumulation
       (microbatch size 1 like the others): the ideal K-stage step time is (d) / K;
   (e) with ``--plan``: fixed plans (slices, and optionally the stage split and a shared half), to put
-      plans side by side in one process pair.
+      plans side by side in one process pair;
+  (c W in B) with ``--w_in_b``: (c)'s plan with terapipe.defer_weight_grads false (weight gradients
+      inside each backward, no W's scheduled).
+``--dtype bf16`` (or fp16 where the device computes it) runs every variant in that precision:
+DeepSpeed's bf16 / fp16 section for (a)-(c), the model cast for (d). On a CPU without AVX512-BF16
+a bf16 step is ~9x slower than fp32's: size the case accordingly (e.g. 4 x 128, seq 512).
 One thread per rank, ``--stages`` ranks (gloo). All variants live in ONE process pair and take
 turns step by step (barrier before each step, the order rotates), so load from other work on this
 shared machine hits them alike; (d) runs on rank 0 while the other ranks wait at a barrier. That is
@@ -43,7 +48,7 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _compare_report import A, C, D, WHOLE, render, summarize_run
+from _compare_report import A, C, C_IN_B, D, WHOLE, render, summarize_run
 from _ranks import ROOT, bind_rank, is_rank, launch, quiet_deepspeed, run_rank, write_results
 
 
@@ -70,10 +75,14 @@ def worker(args) -> None:
         engines[f"(b) TeraPipe uniform:{n}"] = cm.terapipe_engine(args, f"uniform:{n}")
     for label, (slices, split) in args.plan.items():
         engines[fixed_name(label)] = cm.terapipe_engine(args, slices, split=split)
+    if args.w_in_b:  # (c)'s cost model, so (c)'s plan; only the weight gradients move into B
+        engines[C_IN_B] = cm.terapipe_engine(args, "auto", args.cost_model, {"defer_weight_grads": False})
+        say(f"W in B: {engines[C_IN_B].plan}, weight gradients {engines[C_IN_B].weight_grads_mode}")
     say("building (a): DeepSpeed PipelineModule + stock PipelineEngine")
     engines[A] = cm.stock_engine(args)
     single = cm.single_model(args) if rank == 0 else None
-    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), *map(fixed_name, args.plan), C, *([WHOLE] if args.whole_blocks else []), D]
+    names = [A, *(f"(b) TeraPipe uniform:{n}" for n in args.uniform), *map(fixed_name, args.plan), C,
+             *([WHOLE] if args.whole_blocks else []), *([C_IN_B] if args.w_in_b else []), D]
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
     losses = {k: [] for k in names}
@@ -293,6 +302,9 @@ def main() -> None:
                         "h.0,h.1,h.2,h.3.attn:h.3.mlp,h.4,h.5,norm,head")
     p.add_argument("--whole_blocks", action="store_true",
                    help=f"also {WHOLE}: the DP plan with the stages split between whole blocks only")
+    p.add_argument("--w_in_b", action="store_true", help=f"also {C_IN_B}: (c)'s plan, weight gradients inside B")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="every variant in this precision (bf16 / fp16: DeepSpeed's mixed precision)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no_bind_cores", dest="bind_cores", action="store_false",
                    help="leave every rank on every core (terapipe.bind_cores false): the launcher's default")

@@ -104,11 +104,11 @@ def _drop_adapter_grad():
     from tp_trainer.model import weight_grad
     apply = weight_grad._apply
 
-    def dropped(weight, *rest):
+    def dropped(master, weight, *rest):
         if (os.environ["RANK"] == "1" and tuple(weight.shape) == (4 * 32, lora_cases.R)
                 and rest[-1].shape[0] == ec.MICRO_BATCH * 3):
             return
-        apply(weight, *rest)
+        apply(master, weight, *rest)
     return mock.patch.object(weight_grad, "_apply", dropped)
 
 

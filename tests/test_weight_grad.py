@@ -146,10 +146,9 @@ def test_predict_costs_w_from_profiled_samples():
 
 def test_the_plan_line_says_why_weight_gradients_stay_in_b():
     from tp_trainer.model.weight_grad import weight_grads_in_b
-    assert weight_grads_in_b(True, False, False, 0, False) is None
-    assert weight_grads_in_b(True, False, False, 1, False) is None      # ZeRO-1 reads .grad at REDUCE
-    assert weight_grads_in_b(False, False, False, 0, False) == "terapipe.defer_weight_grads false"
-    assert weight_grads_in_b(True, True, False, 1, False).startswith("bf16: ")
-    assert weight_grads_in_b(True, False, True, 0, False).startswith("fp16: ")
-    assert weight_grads_in_b(True, False, False, 2, False) == "ZeRO stage 2 reduces gradients in backward hooks"
-    assert weight_grads_in_b(True, False, False, 1, True).startswith("ZeRO-1 with overlap_comm")
+    assert weight_grads_in_b(True, 0, False, False) is None
+    assert weight_grads_in_b(True, 1, False, False) is None      # ZeRO-1 reads .grad at REDUCE
+    assert weight_grads_in_b(False, 0, False, False) == "terapipe.defer_weight_grads false"
+    assert weight_grads_in_b(True, 2, False, False) == "ZeRO stage 2 reduces gradients in backward hooks"
+    assert weight_grads_in_b(True, 1, True, False).startswith("ZeRO-1 with overlap_comm")
+    assert weight_grads_in_b(True, 1, False, True).startswith("ZeRO-1 accumulating in another dtype")

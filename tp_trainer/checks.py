@@ -68,7 +68,6 @@ def validate(args, world_size: int) -> RunSpec:
     apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
     pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
     check_lora(pipeline.terapipe, checked, args)
-    check_checkpointable(ds_config, args)
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
     if args.resume:
         from .resume_checks import check_resume
@@ -135,18 +134,6 @@ def model_config(args, vocab_size: int):
         from .checkpoint import checkpoint_config
         return checkpoint_config(args.model_name_or_path)
     return preset(args.config_name, vocab_size)
-
-
-def check_checkpointable(ds_config: dict, args) -> None:
-    """DeepSpeed 0.19.8 saves bf16-without-ZeRO checkpoints it cannot load (KeyError: 0 in
-    BF16_Optimizer._load_legacy_checkpoint): refuse before training rather than at resume time."""
-    bf16 = ds_config.get("bf16", {}).get("enabled", False)
-    zero = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if bf16 and zero == 0 and (args.save_interval or args.resume):
-        flag = "--resume" if args.resume else "--save_interval"
-        raise ConfigError(f"{flag}: DeepSpeed cannot resume bf16 checkpoints without ZeRO (KeyError in "
-                          f"BF16_Optimizer._load_legacy_checkpoint); set \"zero_optimization\": {{\"stage\": 1}} "
-                          f"with bf16, or train without checkpoints")
 
 
 # ---------------------------------------------------------------- the pipeline (also for initialize)

@@ -60,18 +60,14 @@ class TeraPipeConfig:
     """Split every stage's backward into B (input gradients, which the previous stage waits for) and
     W (weight gradients of the linear layers, the LM head, tied or not, and the embeddings): the
     schedule carries a ``WeightGrad`` per unit, placed zero-bubble style (schedule/orders.py:
-    place_weight_grads), so the bubble loses the W time. Applies with fp32 (or float64) and ZeRO
-    stage 0 or 1 (without overlap_comm); ignored (W inside B, as with false) otherwise, because
-    there DeepSpeed takes each parameter's gradient out of ``.grad`` during or right after each
-    backward, and a W adding into ``.grad`` later would be lost or never reduced:
-    bf16: the BF16_Optimizer folds ``.grad`` into its fp32 gradient buffers at the end of every
-    backward (``update_hp_grads`` after an inner stage's backward, ``backward_epilogue`` on the last
-    stage) or in grad-accumulation hooks (``immediate_grad_update``), and zeroes ``.grad`` at the
-    start of the next backward (``clear_lp_grads``): a later W's gradient would be wiped unfolded.
-    ZeRO >= 2 / ZeRO-1 with overlap_comm or a separate accumulation dtype: ZeRO's grad hooks reduce
-    or move each gradient when autograd accumulates it, and a W writes ``.grad`` without autograd,
-    so no hook fires for it. fp16: kept off, untried (loss scaling, overflow check). Plain ZeRO-1
-    in fp32 reads ``.grad`` only at ReduceGrads (exactness cases pp2-dp2-zero1-*)."""
+    place_weight_grads), so the bubble loses the W time. Applies in fp32 (or float64), bf16 and fp16,
+    with ZeRO stage 0 or 1 (without overlap_comm); ignored (W inside B, as with false) where
+    DeepSpeed takes each gradient out of ``.grad`` in hooks during the backward, since a W writes its
+    gradient without autograd and no hook would fire for it: ZeRO >= 2, ZeRO-1 with overlap_comm, or
+    ZeRO-1 accumulating in another dtype than the model's (fp16 with grad_accum_dtype fp32).
+    fp32 / fp16 and ZeRO-1: the optimizers read ``.grad`` at ReduceGrads / the step, where W has
+    added into it (fp16: its overflow check sees every gradient). bf16 (DeepSpeed's BF16_Optimizer):
+    W adds into the optimizer's gradient buffers directly (ds_compat/grad_fold.py)."""
 
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,

@@ -81,8 +81,11 @@ class TeraPipeEngine(PipelineEngine):
         self._slices, self._offsets = plan.slices, plan.offsets   # tuples: no plan.py code per slice
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
-        self.weight_grads_in_b = weight_grads_in_b(defer_weight_grads, self.bfloat16_enabled(), self.fp16_enabled(),
-                                                   self.zero_optimization_stage(), self.zero_overlap_comm())
+        self.master_grads = ds_compat.fold_as_made(self)  # bf16: gradients into the optimizer's buffers as made
+        model_dtype, accumulation_dtype = self.get_data_types()
+        self.weight_grads_in_b = weight_grads_in_b(
+            defer_weight_grads, self.zero_optimization_stage(), self.zero_overlap_comm(),
+            separate_accumulation=accumulation_dtype != model_dtype and self.master_grads is None)
         self.weight_grads = self._deferred_weight_grads() if self.weight_grads_in_b is None else None
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
@@ -115,7 +118,7 @@ class TeraPipeEngine(PipelineEngine):
     def _deferred_weight_grads(self) -> DeferredWeightGrads:
         """Split this stage's backward into B and W (every linear layer, the tied or untied head, the
         embeddings); the schedule then carries a W for every unit (``split_weight_grads``)."""
-        store = DeferredWeightGrads()
+        store = DeferredWeightGrads(self.master_grads)
         defer_stage(self.module.forward_funcs, store)
         return store
 

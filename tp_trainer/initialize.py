@@ -23,7 +23,7 @@ from .cpu_binding import bind_cores, local_ranks
 from .engine import TeraPipeEngine
 from .failures import together
 from .lora import add_lora
-from .ds_compat import stage_of_rank
+from .ds_compat import bf16_fold_config, stage_of_rank
 from .memory import current_rss_mb
 from .model.pipeline import build_pipeline_module
 from .plan import RunPlan
@@ -91,7 +91,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
         module.activation_checkpoint_interval = int(layout.ckpt[stage_of_rank(module)])
-    ds_config = planned_ds_config(spec.ds_config, layout)
+    # bf16: DeepSpeed's immediate_grad_update, so no backward passes over all parameters (ds_compat/grad_fold.py)
+    ds_config = bf16_fold_config(planned_ds_config(spec.ds_config, layout))
     config_class = DeepSpeedConfig(ds_config, module.mpu())
     run_plan = RunPlan(layout.plan.to_slice_plan() if layout else terapipe.plan(
                            config_class.gradient_accumulation_steps, config_class.train_micro_batch_size_per_gpu),

@@ -12,8 +12,10 @@ writes ``latest`` from rank 0 as soon as rank 0 is done, before the other ranks 
 Resume (``resume_checks.check_resume`` decides how, before any process group): on the same layout
 (stages, replicas, ZeRO stage, precision) DeepSpeed's files and every rank's RNG state are
 restored: bit for bit. On another layout the layout-free form is read; the math is the same, so the
-run continues to fp32 rounding (the reduction order changes with the layout). Dropout masks there
-come from RNGs reseeded from (step, rank): a layout's masks differ from another's anyway.
+run continues to the precision's rounding (the reduction order changes with the layout). Dropout
+masks there come from RNGs reseeded from (step, rank): a layout's masks differ from another's
+anyway. bf16 without ZeRO, whose DeepSpeed files DeepSpeed cannot load (``deepspeed_resumes``),
+resumes from the layout-free form on its own layout too, with every rank's RNG state restored.
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ def save(engine, ckpt: str, step: int, samples: int, config=None) -> str:
     writes its files, then ``commit`` marks the checkpoint complete."""
     from deepspeed import comm as dist
     tag = f"step{step}"
-    engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
     tag_dir = os.path.join(ckpt, tag)
+    if deepspeed_resumes(current_layout(engine)):
+        engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
+    os.makedirs(tag_dir, exist_ok=True)
     torch.save(_rng_state(), os.path.join(tag_dir, f"rng_rank{dist.get_rank()}.pt"))
     with_layout_free = optimizer_state.supported(engine)
     if with_layout_free:
@@ -118,6 +122,13 @@ def manifest(engine, step: int, samples: int, config, with_layout_free: bool, ta
             "files": files}
 
 
+def deepspeed_resumes(layout: dict) -> bool:
+    """Whether DeepSpeed's own checkpoint of this layout loads back: not bf16 without ZeRO (DeepSpeed
+    0.19.8 writes it, then fails reading it: KeyError in BF16_Optimizer._load_legacy_checkpoint).
+    Such a run saves only the layout-free form, and resumes from it on its own layout too."""
+    return not (layout["precision"] == "bf16" and layout["zero_stage"] == 0)
+
+
 def current_layout(engine) -> dict:
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     return {"stages": engine.num_stages, "replicas": engine.dp_world_size,
@@ -150,7 +161,11 @@ def load(engine, point) -> tuple[int, int, bool]:
         layout_free.load(engine, tag_dir, optimizer=not point.reset_optimizer)
         engine.global_steps = state["step"]
         engine.global_samples = state["step"] * engine.train_batch_size()
-        _reseed(state["step"], engine.global_rank)
+        rng = os.path.join(tag_dir, f"rng_rank{engine.global_rank}.pt")
+        if state["layout"] == current_layout(engine) and os.path.isfile(rng):  # its own layout: its own RNGs
+            _set_rng_state(torch.load(rng, weights_only=False))
+        else:
+            _reseed(state["step"], engine.global_rank)
     if point.reset_data:
         return state["step"], 0, point.same_layout
     samples = state.get("global_samples")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .checkpoint import layout_free
 from .config import ConfigError, pipeline_stages
-from .resume import MANIFEST, model_record, resolve_resume
+from .resume import MANIFEST, deepspeed_resumes, model_record, resolve_resume
 
 RESET_OPTIMIZER = "--reset_optimizer"
 RESET_DATA = "--reset_data_position"
@@ -56,7 +56,7 @@ def check_resume(output_dir: str, resume: str, ds_config: dict, model_config_for
         check_global_batch(where, state["global_batch"], global_batch(ds_config, layout["replicas"]))
     if not reset_optimizer:
         check_optimizer(where, state["optimizer"]["type"], optimizer_type(ds_config))
-    same = state["layout"] == layout and not reset_optimizer
+    same = state["layout"] == layout and not reset_optimizer and deepspeed_resumes(layout)
     if not same and state["layout_free"] is None:
         raise ConfigError(f"{where} has no layout-free form ({state['layout']['precision']} without ZeRO "
                           f"keeps only DeepSpeed's files); resume it on its own layout {describe(state['layout'])}, "

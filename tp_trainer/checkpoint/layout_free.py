@@ -9,7 +9,8 @@ tag directory,
                                    shape (Adam: exp_avg, exp_avg_sq) and scalar (step)
     scheduler.pt                   the LR scheduler's state_dict
     layout_free.json               the index: which file holds each name, the param groups'
-                                   settings (lr, betas ...), the optimizer class
+                                   settings (lr, betas ...), the optimizer class, fp16's
+                                   loss scale
 
 Data-parallel rank 0 of every stage writes its stage's two files as soon as it has them (under
 ZeRO-1 the replicas of the stage first assemble each parameter's state: collective); a tied
@@ -125,6 +126,7 @@ def _write_index(tag_dir: str, engine, outcomes: list[dict]) -> None:
     index = {"format": FORMAT,
              "optimizer_class": type(optimizer_state.base_optimizer(engine)).__name__,
              "param_groups": optimizer_state.hyperparameters(engine),
+             "loss_scale": optimizer_state.loss_scale_state(engine),   # fp16's dynamic scale; else None
              "weights": {name: weights_file(o["stage"]) for o in outcomes for name in o["weights"]},
              "optimizer": {name: optim_file(o["stage"]) for o in outcomes for name in o["optimizer"]}}
     with open(os.path.join(tag_dir, INDEX), "w", encoding="utf-8") as handle:
@@ -162,6 +164,7 @@ def load(engine, tag_dir: str, optimizer: bool = True) -> None:
             _load_one(engine, reader, index, name, names[name], params.get(name), optimizer)
     if optimizer:
         optimizer_state.set_hyperparameters(engine, index["param_groups"])
+        optimizer_state.set_loss_scale_state(engine, index.get("loss_scale"))
         scheduler = torch.load(os.path.join(tag_dir, SCHEDULER), weights_only=False)
         if engine.lr_scheduler is not None and scheduler is not None:
             engine.lr_scheduler.load_state_dict(scheduler)

@@ -14,8 +14,11 @@ step). Where those live depends on DeepSpeed's wrapper (checked on DeepSpeed 0.1
   is created lazily at the first step; loading before any step creates it here and writes each
   fragment through the mapping's addresses (``lp_fragment_address`` in the parameter,
   ``hp_fragment_address`` in the partition), then lets DeepSpeed re-link its fragment views.
-- fp16 without ZeRO (FP16_Optimizer) keeps flat fp32 groups without a mapping: not supported
-  (``supported`` is False; such runs keep DeepSpeed's same-layout checkpoints only).
+- fp16 without ZeRO: DeepSpeed's FP16_UnfusedOptimizer keeps one fp32 copy per fp16 parameter
+  (``fp32_groups[i][j]`` for ``fp16_groups[i][j]``), the fused FP16_Optimizer one flat fp32 tensor
+  per group (``fp32_groups_flat[i]``, the group's parameters back to back, no padding); the base
+  optimizer's state is keyed by the copy or the flat tensor (``_fp16_master``).
+The fp16 loss scale (its value and the dynamic scaler's counters) is ``loss_scale_state``.
 """
 
 from __future__ import annotations
@@ -40,9 +43,39 @@ def supported(engine) -> bool:
     if _partitioned(engine):
         return _flat_partitions(engine.optimizer) is not None
     optimizer = engine.optimizer
+    if _fp16_groups(optimizer) is not None:
+        return True
     held = {id(p) for group in getattr(optimizer, "param_groups", []) for p in group["params"]}
     return isinstance(optimizer, torch.optim.Optimizer) and all(id(p) in held for p in engine.module.parameters()
                                                                 if p.requires_grad)  # frozen: LoRA's base
+
+
+def _fp16_groups(wrapper):
+    """(fp16 groups, fp32 copies per parameter or None, flat fp32 per group or None) of DeepSpeed's
+    fp16 optimizers without ZeRO; None for other wrappers."""
+    if not hasattr(wrapper, "fp16_groups"):
+        return None
+    copies, flats = getattr(wrapper, "fp32_groups", None), getattr(wrapper, "fp32_groups_flat", None)
+    return (wrapper.fp16_groups, copies, flats) if copies is not None or flats is not None else None
+
+
+def _fp16_master(engine, param):
+    """(the tensor the base optimizer keys ``param``'s state by, its group, the view of ``param``'s
+    elements in it: slice start, or None for a whole per-parameter copy)."""
+    groups, copies, flats = _fp16_groups(engine.optimizer)
+    for i, group in enumerate(groups):
+        start = 0
+        for j, p in enumerate(group):
+            if p is param:
+                holder = copies[i][j] if copies is not None else flats[i]
+                return holder, base_optimizer(engine).param_groups[i], None if copies is not None else start
+            start += p.numel()
+    raise KeyError("parameter not held by the fp16 optimizer")
+
+
+def _view(holder: torch.Tensor, start, param) -> torch.Tensor:
+    """``param``'s elements in ``holder`` (a per-parameter tensor, or a flat one from ``start``)."""
+    return holder if start is None else holder.narrow(0, start, param.numel()).view(param.shape)
 
 
 def _flat_partitions(wrapper):
@@ -70,6 +103,9 @@ def full_weight(engine, param) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
     if hasattr(param, "_hp_mapping"):
         return safe_get_full_fp32_param(param).detach().float().cpu()
+    if _fp16_groups(engine.optimizer) is not None:
+        holder, _, start = _fp16_master(engine, param)
+        return _view(holder, start, param).detach().float().cpu()
     return param.detach().float().cpu()
 
 
@@ -77,6 +113,12 @@ def full_state(engine, param) -> tuple[dict[str, torch.Tensor], dict[str, object
     """(state tensors of the parameter's shape, scalars such as 'step') of ``param``; collective
     under ZeRO. Empty before the first optimizer step."""
     from deepspeed.utils import safe_get_full_optimizer_state
+    if _fp16_groups(engine.optimizer) is not None:
+        holder, _, start = _fp16_master(engine, param)
+        state = base_optimizer(engine).state.get(holder, {})
+        shaped = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == holder.shape and v.dim())
+        scalars = {k: v for k, v in state.items() if k not in shaped and (not torch.is_tensor(v) or v.dim() == 0)}
+        return {k: _view(state[k], start, param).detach().float().cpu() for k in shaped}, scalars
     holder, _ = _state_holder(engine, param)
     if holder is not param:
         ds_compat.link_optimizer_state(engine.optimizer)  # the fragment views (idempotent)
@@ -91,17 +133,24 @@ def full_state(engine, param) -> tuple[dict[str, torch.Tensor], dict[str, object
 
 
 def set_weight(engine, param, value: torch.Tensor) -> None:
-    """Set ``param`` (and its fp32 master fragment, if any) to the whole fp32 ``value``."""
+    """Set ``param`` (and its fp32 master fragment or copy, if any) to the whole fp32 ``value``."""
     from deepspeed.utils import safe_set_full_fp32_param
     with torch.no_grad():
         param.copy_(value.to(param.device, param.dtype))
         if hasattr(param, "_hp_mapping"):
             safe_set_full_fp32_param(param, value.to(param.device, torch.float32))
+        elif _fp16_groups(engine.optimizer) is not None:
+            holder, _, start = _fp16_master(engine, param)
+            _view(holder, start, param).copy_(value.to(holder.device, holder.dtype))
 
 
 def set_state(engine, param, tensors: dict[str, torch.Tensor], scalars: dict[str, object]) -> None:
     """Give ``param`` the optimizer state ``tensors`` (whole, its shape) and ``scalars``."""
-    holder, group = _state_holder(engine, param)
+    start = None
+    if _fp16_groups(engine.optimizer) is not None:
+        holder, group, start = _fp16_master(engine, param)
+    else:
+        holder, group = _state_holder(engine, param)
     state = base_optimizer(engine).state.setdefault(holder, {})
     for key in tensors:
         if key not in state:
@@ -109,9 +158,9 @@ def set_state(engine, param, tensors: dict[str, torch.Tensor], scalars: dict[str
     for key, value in scalars.items():
         state[key] = _scalar(value, holder.device, group)
     with torch.no_grad():
-        if holder is param:
+        if holder is param or _fp16_groups(engine.optimizer) is not None:
             for key, value in tensors.items():
-                state[key].copy_(value.to(holder.device))
+                _view(state[key], start, param).copy_(value.to(holder.device))
             return
         mapping = ds_compat.hp_mapping(param)
         if mapping is not None:  # this rank holds a fragment of ``param``
@@ -120,6 +169,28 @@ def set_state(engine, param, tensors: dict[str, torch.Tensor], scalars: dict[str
                 fragment = value.to(holder.device).flatten().narrow(0, lp.start, lp.numel)
                 state[key].narrow(0, hp.start, hp.numel).copy_(fragment)
     ds_compat.relink_optimizer_state(engine.optimizer)  # the next step re-links DeepSpeed's views
+
+
+LOSS_SCALE_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scale_state(engine) -> dict | None:
+    """fp16: the dynamic loss scale and its scaler's counters (None without fp16)."""
+    scaler = ds_compat.loss_scaler(engine)
+    if scaler is None:
+        return None
+    return {key: float(getattr(scaler, key)) if key == "cur_scale" else getattr(scaler, key)
+            for key in LOSS_SCALE_KEYS if hasattr(scaler, key)}
+
+
+def set_loss_scale_state(engine, state: dict | None) -> None:
+    """Restore ``loss_scale_state`` (a checkpoint without one, or a run without fp16: nothing)."""
+    scaler = ds_compat.loss_scaler(engine)
+    if scaler is None or not state:
+        return
+    for key, value in state.items():
+        if hasattr(scaler, key):
+            setattr(scaler, key, value)
 
 
 def _scalar(value, device, group):

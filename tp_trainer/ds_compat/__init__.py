@@ -32,13 +32,14 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from .check import check_override, check_touch
+from .grad_fold import MasterGrads, bf16_fold_config, fold_as_made
 from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
 __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_override",
            "stage_forward", "loss_backward", "inner_stage_backward",
            "reduce_tied_grads", "reduce_grads", "optimizer_step", "set_global_grad_norm", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
-           "link_optimizer_state", "relink_optimizer_state"]
+           "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler"]
 
 
 # ----------------------------------------------------------------------------- engine calls
@@ -79,21 +80,17 @@ def fp16_loss_scale(engine) -> float | None:
 
 
 def inner_stage_backward(engine, outputs: torch.Tensor, grad: torch.Tensor) -> None:
-    """``outputs.backward(grad)`` on a stage that is not the last, mirroring DeepSpeed's
-    ``PipelineEngine._exec_backward_pass``: with the bf16 optimizer, clear the low-precision grads
-    first and fold them into the fp32 ones after (unless ``immediate_grad_update`` does it in hooks);
-    ``_running_engine_backward`` tells DeepSpeed's post-backward hook this is the engine's own
-    backward, not a user's ``tensor.backward()`` (which it refuses under ZeRO 0 / loss scaling)."""
-    bf16 = uses_bf16_optimizer(engine)
-    if bf16:
-        engine.optimizer.clear_lp_grads()
+    """``outputs.backward(grad)`` on a stage that is not the last, as DeepSpeed's
+    ``PipelineEngine._exec_backward_pass`` does, less its two passes over the parameters under the
+    bf16 optimizer (``clear_lp_grads`` before, ``update_hp_grads`` after): there DeepSpeed's hooks
+    fold each gradient as autograd makes it (``grad_fold``). ``_running_engine_backward`` tells
+    DeepSpeed's post-backward hook this is the engine's own backward, not a user's
+    ``tensor.backward()`` (which it refuses under ZeRO 0 / loss scaling)."""
     engine._running_engine_backward = True
     try:
         outputs.backward(gradient=grad)
     finally:
         engine._running_engine_backward = False
-    if bf16 and not engine._config.bfloat16_config.immediate_grad_update:
-        engine.optimizer.update_hp_grads(clear_lp_grads=False)
 
 
 def unsynchronized_throughput_timer(engine) -> None:
@@ -182,6 +179,15 @@ def mark_replicated_grads(engine) -> None:
 def set_global_grad_norm(engine, norm: float) -> None:
     """What ``engine.get_global_grad_norm()`` (and the monitors) report after our own clipping."""
     engine._global_grad_norm = norm
+
+
+def loss_scaler(engine):
+    """fp16: the object holding the dynamic loss scale (``cur_scale`` and the scaler's counters):
+    the fp16 optimizers' ``loss_scale_config``, ZeRO's ``loss_scaler``; None without fp16."""
+    if not engine.fp16_enabled():
+        return None
+    optimizer = engine.optimizer
+    return getattr(optimizer, "loss_scale_config", None) or getattr(optimizer, "loss_scaler", None)
 
 
 def uses_bf16_optimizer(engine) -> bool:

@@ -98,10 +98,12 @@ TOUCHES = (
           instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
     Touch(PIPE_ENGINE, "using_bf16_optimizer", "Set in __init__ when DeepSpeed wrapped the optimizer in "
           "BF16_Optimizer (ds_compat.uses_bf16_optimizer).", "0.6.x (BF16_Optimizer), checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py", "tp_trainer/engine.py"), instance_attr=True,
-          source=(("__init__", ("self.using_bf16_optimizer = type(self.optimizer) == BF16_Optimizer",)),)),
+          ("tp_trainer/ds_compat/__init__.py", "tp_trainer/ds_compat/grad_fold.py", "tp_trainer/engine.py"),
+          instance_attr=True, source=(("__init__", ("self.using_bf16_optimizer = type(self.optimizer) == BF16_Optimizer",)),)),
     Touch(PIPE_ENGINE, "_exec_backward_pass", "ds_compat.inner_stage_backward mirrors its inner-stage "
-          "branch; if DeepSpeed changes that protocol, the mirror must follow.",
+          "branch, less the bf16 optimizer's clear_lp_grads / update_hp_grads around the backward (both "
+          "passes over every parameter; with immediate_grad_update the second is already skipped and "
+          "every .grad is None, grad_fold.py); if DeepSpeed changes that protocol, the mirror must follow.",
           "0.18.x (PR #7787 added _running_engine_backward; PR #5605 the immediate_grad_update guard)",
           ("tp_trainer/ds_compat/__init__.py",), params=("self", "buffer_id"),
           source=(("_exec_backward_pass", ("self.optimizer.clear_lp_grads()", "self._running_engine_backward = True",
@@ -151,11 +153,21 @@ TOUCHES = (
           source=(("__init__", ("self._running_engine_backward = False",)),
                   ("_backward_post_hook", ("if not self._running_engine_backward:",)))),
     Touch(DS_ENGINE, "_config", "The engine's DeepSpeedConfig; we read bfloat16_config.immediate_grad_update.",
-          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          "checked 0.19.8", ("tp_trainer/ds_compat/grad_fold.py",), instance_attr=True,
           source=(("__init__", ("self._config = config_class",)),)),
-    Touch("deepspeed.runtime.precision_config:DeepSpeedBF16Config", "immediate_grad_update", "With it the "
-          "bf16 optimizer folds grads in hooks, so an inner stage must not call update_hp_grads.",
-          "0.14.x (PR #5605), checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",)),
+    Touch("deepspeed.runtime.precision_config:DeepSpeedBF16Config", "immediate_grad_update", "initialize turns "
+          "it on with bf16 (grad_fold.bf16_fold_config): the bf16 optimizer then folds each gradient into its "
+          "buffer in a hook as autograd makes it and drops .grad, and update_hp_grads returns at once; "
+          "grad_fold.fold_as_made refuses an engine without it.",
+          "0.14.x (PR #5605), checked 0.19.8", ("tp_trainer/ds_compat/grad_fold.py", "tp_trainer/initialize.py"),
+          ),
+    Touch(BF16, "accumulate_hp_grads_and_remove_lp", "What the immediate_grad_update hook does: fold one "
+          "parameter's .grad into its buffer, then drop .grad (so nothing is left to clear before the next "
+          "backward, grad_fold.fold_as_made).", "checked 0.19.8", ("tp_trainer/ds_compat/grad_fold.py",),
+          params=("self", "lp_param", "group_idx", "param_idx"),
+          source=(("accumulate_hp_grads_and_remove_lp", ("self._update_hp_grad(lp_param, group_idx, param_idx, "
+                                                         "clear_lp_grads=False)", "lp_param.grad = None")),
+                  ("update_hp_grads", ("if self.immediate_grad_update:", "return")))),
     Touch(DS_ENGINE, "_global_grad_norm", "What get_global_grad_norm reports; set after our whole-pipeline "
           "clipping (ds_compat.set_global_grad_norm).", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
           instance_attr=True, source=(("get_global_grad_norm", ("return self._global_grad_norm",)),)),
@@ -169,13 +181,43 @@ TOUCHES = (
           params=("self", "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
                   "mpu", "dist_init_required", "collate_fn", "config", "config_class")),
     # ------------------------------------------------------------------ BF16_Optimizer
-    Touch(BF16, "clear_lp_grads", "Before an inner stage's backward (ds_compat.inner_stage_backward).",
-          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "set_to_none")),
-    Touch(BF16, "update_hp_grads", "After an inner stage's backward (ds_compat.inner_stage_backward).",
-          "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "clear_lp_grads")),
-    Touch(BF16, "_load_legacy_checkpoint", "checks.check_checkpointable refuses bf16 without ZeRO with "
-          "checkpoints because this method fails on DeepSpeed's own save (KeyError: 0); lift the guard "
-          "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/checks.py",)),
+    Touch(BF16, "backward_prologue", "Replaced on the optimizer instance by a no-op (grad_fold.fold_as_made): "
+          "DeepSpeed's backward hooks call it before every backward, here every slice, and it loops over "
+          "every parameter (clear_lp_grads) to zero gradients that immediate_grad_update has already dropped.",
+          "checked 0.19.8", ("tp_trainer/ds_compat/grad_fold.py",), params=("self",),
+          source=(("backward_prologue", ("self.clear_lp_grads()",)),)),
+    Touch(BF16, "fp32_groups_gradients", "A parameter's gradient buffer (grad_acc_dtype), indexed like "
+          "bf16_groups; a scheduled W adds into it and marks fp32_groups_has_gradients and _hp_grad as "
+          "_update_hp_grad does (grad_fold.MasterGrads.buffer).", "checked 0.19.8",
+          ("tp_trainer/ds_compat/grad_fold.py",), instance_attr=True,
+          source=(("_update_hp_grad", ("hp_grad = self.fp32_groups_gradients[group_idx][param_idx]",
+                                       "lp._hp_grad = hp_grad",
+                                       "self.fp32_groups_has_gradients[group_idx][param_idx] = True")),
+                  ("get_grads_for_norm", ("if not self.fp32_groups_has_gradients[i][j]:",)),
+                  ("__init__", ("self.bf16_groups = []",)))),
+    Touch(BF16, "_load_legacy_checkpoint", "It fails on DeepSpeed's own save of bf16 without ZeRO (KeyError: 0), "
+          "so such a run saves and resumes only the layout-free form (resume.deepspeed_resumes); lift that "
+          "once an upgrade loads them.", "checked 0.19.8", ("tp_trainer/resume.py", "tp_trainer/resume_checks.py")),
+    Touch("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp32_groups", "fp16 without ZeRO: "
+          "the fp32 copy of fp16_groups[i][j] is fp32_groups[i][j], the base optimizer's state key "
+          "(checkpoint/optimizer_state._fp16_master).", "checked 0.19.8", (STATE,), instance_attr=True,
+          source=(("__init__", ("self.fp16_groups.append(trainable)",
+                                "fp32_group = [p.clone().float().detach() for p in self.fp16_groups[i]]",
+                                "param_group['params'] = self.fp32_groups[i]")),)),
+    Touch("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "fp32_groups_flat", "fp16 without ZeRO "
+          "(fused): group i's fp32 master weights back to back, in fp16_groups[i]'s order with no padding, "
+          "the base optimizer's state key (checkpoint/optimizer_state._fp16_master).", "checked 0.19.8",
+          (STATE,), instance_attr=True,
+          source=(("__init__", ("self.fp16_groups.append(trainable)",
+                                "self.fp16_groups_flat.append(_flatten_dense_tensors([p.clone().detach() for p in "
+                                "self.fp16_groups[i]]))",
+                                "self.fp32_groups_flat.append(self.fp16_groups_flat[i].clone().float().detach())",
+                                "param_group['params'] = [self.fp32_groups_flat[i]]")),)),
+    Touch("deepspeed.runtime.fp16.loss_scaler:LossScaleConfig", "cur_scale", "fp16's dynamic loss scale and its "
+          "counters (cur_iter, last_overflow_iter, cur_hysteresis where the scaler has it): saved in the "
+          "layout-free index and restored (optimizer_state.loss_scale_state); the fp16 optimizers hold it as "
+          "loss_scale_config, ZeRO as loss_scaler (ds_compat.loss_scaler).", "checked 0.19.8", (STATE,),
+          instance_attr=True, source=(("__init__", ("self.cur_iter = 0", "self.last_overflow_iter = None")),)),
     # ------------------------------------------------------------------ PipelineModule
     Touch(PIPE_MODULE, "_topo", "Process topology, set before _partition_layers (ds_compat.stage_of_rank).",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "benchmarks/_compare_models.py"), instance_attr=True,

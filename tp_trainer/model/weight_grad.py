@@ -43,9 +43,12 @@ class DeferredWeightGrads:
     e.g. while profiling): what ``keep`` files the pairs under.
     """
 
-    def __init__(self):
+    def __init__(self, master=None):
         self.unit = None
         self.kept: dict = {}  # unit -> [(weight, bias, weight is (in, out), x, dy) | (weight, ids, rows)]
+        # where W adds: each parameter's master-gradient buffer under DeepSpeed's bf16 optimizer
+        # (ds_compat.grad_fold.MasterGrads), else its .grad
+        self.master = master
 
     def keep(self, weight: nn.Parameter, bias, in_out: bool, x: torch.Tensor, dy: torch.Tensor) -> None:
         """Keep a linear layer's input x (tokens, in) and output gradient dy (tokens, out)."""
@@ -60,7 +63,7 @@ class DeferredWeightGrads:
         units = list(self.kept) if unit is None else [unit]
         for key in units:
             for entry in self.kept.pop(key, ()):
-                _apply(*entry)
+                _apply(self.master, *entry)
 
     def flush_merged(self) -> None:
         """Add the weight gradients of every kept unit into ``.grad`` with one product per weight over
@@ -75,10 +78,11 @@ class DeferredWeightGrads:
         for entries in merged.values():
             if len(entries[0]) == 3:   # embedding rows
                 weight = entries[0][0]
-                _apply(weight, torch.cat([e[1] for e in entries]), torch.cat([e[2] for e in entries]))
+                _apply(self.master, weight, torch.cat([e[1] for e in entries]), torch.cat([e[2] for e in entries]))
                 continue
             weight, bias, in_out = entries[0][:3]
-            _apply(weight, bias, in_out, torch.cat([e[3] for e in entries]), torch.cat([e[4] for e in entries]))
+            _apply(self.master, weight, bias, in_out, torch.cat([e[3] for e in entries]),
+                   torch.cat([e[4] for e in entries]))
 
     def __len__(self) -> int:
         """Units whose weight gradients are still kept."""
@@ -86,24 +90,34 @@ class DeferredWeightGrads:
 
 
 @torch.no_grad()
-def _apply(weight, *rest) -> None:
+def _apply(master, weight, *rest) -> None:
+    """Add one kept entry's weight (and bias) gradient where ``master`` says (see ``DeferredWeightGrads``)."""
     if len(rest) == 2:  # embedding rows
         ids, rows = rest
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad.index_add_(0, ids, rows.to(weight.dtype))
+        target = _target(master, weight)
+        target.index_add_(0, ids, rows.to(target.dtype))
         return
     bias, in_out, x, dy = rest
     a, b = (x.t(), dy) if in_out else (dy.t(), x)
-    if weight.grad is None:
-        weight.grad = (a @ b).to(weight.dtype)
+    if master is None and weight.grad is None:
+        weight.grad = (a @ b).to(weight.dtype)   # the first unit: no zeroed tensor to add into
     else:
-        weight.grad.addmm_(a, b)
+        target = _target(master, weight)
+        if target.dtype == a.dtype:
+            target.addmm_(a, b)
+        else:  # a bf16 product into an fp32 buffer, as DeepSpeed folds a bf16 .grad
+            target.add_(a @ b)
     if bias is not None:
-        if bias.grad is None:
-            bias.grad = dy.sum(0).to(bias.dtype)
-        else:
-            bias.grad.add_(dy.sum(0))
+        _target(master, bias).add_(dy.sum(0))
+
+
+def _target(master, param: nn.Parameter) -> torch.Tensor:
+    """What ``param``'s weight gradient accumulates into: its master buffer, or ``.grad`` (zeros if unset)."""
+    if master is not None:
+        return master.buffer(param)
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
 
 
 class _InputGradOnly(torch.autograd.Function):
@@ -196,14 +210,16 @@ def restore(modules) -> None:
         module.__dict__.pop("deferred_weight_grads", None)
 
 
-def weight_grads_in_b(asked: bool, bf16: bool, fp16: bool, zero_stage: int, overlap_comm: bool) -> str | None:
+def weight_grads_in_b(asked: bool, zero_stage: int, overlap_comm: bool, separate_accumulation: bool) -> str | None:
     """Why a stage's weight gradients stay in its backward (B), or None where they run as W's.
-    DeepSpeed must read ``.grad`` at ReduceGrads / the step, not fold it into other buffers during each
-    backward: so fp32 (or float64) with ZeRO stage 0, or ZeRO 1 without overlap_comm; not fp16 / bf16
+    DeepSpeed must read each gradient after the step's last backward, not move it during each one:
+    fp32, fp16 and bf16 with ZeRO stage 0, or ZeRO 1 without overlap_comm (their optimizers read
+    ``.grad`` at ReduceGrads / the step; under the bf16 optimizer W adds into its gradient buffers,
+    ``ds_compat.grad_fold``). ``separate_accumulation``: a ZeRO optimizer (not the bf16 one)
+    accumulating in another dtype than the model's moves ``.grad`` in hooks
     (``terapipe.defer_weight_grads`` in config.py says why)."""
     reasons = [(not asked, "terapipe.defer_weight_grads false"),
-               (bf16, "bf16: DeepSpeed's BF16_Optimizer folds .grad after every backward"),
-               (fp16, "fp16: the loss-scaled optimizers, untried with W"),
                (zero_stage > 1, f"ZeRO stage {zero_stage} reduces gradients in backward hooks"),
-               (zero_stage == 1 and overlap_comm, "ZeRO-1 with overlap_comm reduces gradients in backward hooks")]
+               (zero_stage == 1 and overlap_comm, "ZeRO-1 with overlap_comm reduces gradients in backward hooks"),
+               (separate_accumulation, "ZeRO-1 accumulating in another dtype moves gradients in backward hooks")]
     return next((why for applies, why in reasons if applies), None)

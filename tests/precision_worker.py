@@ -1,0 +1,148 @@
+"""One rank of test_precision.py: bf16 and fp16 on the CPU, 2 stages.
+
+The CPU accelerator does not claim fp16, so ``checks`` refuses it; torch computes fp16 on the CPU
+all the same, and this worker tells DeepSpeed's accelerator that it may.
+
+1. The loss-scale runs: three runs from the same seed, 3 steps each (gpu_check's precision model: GPT-2 4 x 256, seq 256 in 4 slices, 2
+microbatches of 4): fp32, fp16, and fp16 with ``ds_compat.fp16_loss_scale`` switched off (the
+DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses; per step the gradient norm the
+clipping saw, in true units (fp16: the optimizer's norm of the scaled gradients over the loss
+scale), and the norm ``get_global_grad_norm`` reports.
+
+2. W's under mixed precision (tests/precision_cases.py): every case with scheduled W's and with
+   weight gradients inside B, then (fp16 and bf16, W's scheduled) one step with an inf gradient.
+3. Resume in bf16 and fp16 on other layouts (tests/precision_resume.py).
+
+    precision_worker.py OUT      writes OUT.rank0 (json), OUT.rank0.pt, OUT.rank0.resume.pt, and the same for rank 1
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+
+STEPS = 3
+
+
+def allow_fp16_on_the_cpu() -> None:
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: [torch.float, torch.half, torch.bfloat16]
+
+
+def run(precision: str, scale_fix: bool = True) -> dict:
+    import _gpu_worker as w
+    from transformers import GPT2Config
+
+    from tp_trainer import ds_compat
+    from tp_trainer.checkpoint import meta_model
+    from tp_trainer.initialize import initialize
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=w.VOCAB, n_positions=w.SEQ_LEN,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    ds = w.ds_config(precision)
+    ds["pipeline"]["stages"] = 2
+    engine, *_ = initialize(meta_model(config), ds, seed=1234)
+    original = ds_compat.fp16_loss_scale
+    if not scale_fix:
+        ds_compat.fp16_loss_scale = lambda engine: None
+    try:
+        losses, norms, reported = [], [], []
+        for step in range(STEPS):
+            scale = w.loss_scale(engine)
+            losses.append(float(engine.train_batch(iter(w.bigram_batches(step)))))
+            reported.append(float(engine.get_global_grad_norm()))
+            # what the clipping used: the fp16 optimizer's norm of the scaled gradients / the scale
+            norms.append(reported[-1] if scale is None else float(engine.optimizer._global_grad_norm) / scale)
+    finally:
+        ds_compat.fp16_loss_scale = original
+    return {"losses": losses, "norms": norms, "reported_norms": reported, "skipped": int(engine.skipped_steps),
+            "optimizer": type(engine.optimizer).__name__}
+
+
+def scheduled_w_runs() -> dict:
+    """Every precision_cases case with W's scheduled and inside B (module docstring, 2.)."""
+    import precision_cases as pc
+    out = {}
+    for name in pc.CASES:
+        for scheduled in (True, False):
+            out[f"{name}@{'W' if scheduled else 'B'}"] = train(name, scheduled)
+    return out
+
+
+def train(name: str, scheduled_w: bool) -> dict:
+    import exactness_cases as ec
+    import precision_cases as pc
+    from _gpu_worker import forced_overflow_of
+
+    from tp_trainer.initialize import initialize
+    from tp_trainer.model.pipeline import hf_named_parameters
+    case = pc.case(name)
+    engine, *_ = initialize(ec.tiny_model(case["tied"]), pc.ds_config(name, scheduled_w))
+    named = hf_named_parameters(engine.module)
+    counter = pc.PassCounter(engine)
+    grads = {}
+
+    def capture_before(method):
+        """Step 0's gradients as the optimizer will read them, before the data-parallel reduction
+        (ZeRO-1 moves them into its partitions there) or, where the engine skips it, the step."""
+        def run(*args, **kwargs):
+            if not grads:
+                scale = loss_scale_of(engine) or 1.0
+                grads.update({n: (master_grad(engine, p) / scale).float() for n, p in named.items()})
+            return method(*args, **kwargs)
+        return run
+    engine._exec_reduce_grads = capture_before(engine._exec_reduce_grads)
+    engine._exec_optimizer_step = capture_before(engine._exec_optimizer_step)
+    losses = []
+    for step in range(pc.STEPS):
+        losses.append(float(engine.train_batch(iter(ec.batches(case, step)))))
+        assert grads, f"{name}: the step-0 gradients were not captured"
+    result = {"losses": losses, "grads": grads, "weights_in_b": engine.weight_grads_in_b,
+              "params": {n: p.detach().float().clone() for n, p in named.items()},
+              "passes_in_schedule": counter.in_schedule, "passes_in_step": counter.in_step,
+              "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
+              "steps": int(engine.global_steps)}
+    if scheduled_w and name in OVERFLOW_CASES:
+        result["overflow"] = forced_overflow_of(engine, "transformer.h.0.mlp.c_fc.weight",
+                                                lambda step: ec.batches(case, step), pc.STEPS, loss_scale_of)
+    return result
+
+
+OVERFLOW_CASES = ("fp16-gpipe-z0", "bf16-gpipe-z0")
+
+
+def master_grad(engine, param) -> torch.Tensor:
+    """``param``'s gradient where the optimizer reads it: the bf16 optimizer's buffer, else ``.grad``
+    (zeros where this stage made none)."""
+    if engine.using_bf16_optimizer:
+        hp = getattr(param, "_hp_grad", None)
+        return torch.zeros_like(param, dtype=torch.float32) if hp is None else hp.view(param.shape).clone()
+    return torch.zeros_like(param) if param.grad is None else param.grad.detach().clone()
+
+
+def loss_scale_of(engine) -> float | None:
+    import _gpu_worker as w
+    return w.loss_scale(engine)
+
+
+def main() -> None:
+    from tp_trainer.failures import leave
+    allow_fp16_on_the_cpu()
+    result = {"fp32": run("fp32"), "fp16": run("fp16"), "fp16_unscaled": run("fp16", scale_fix=False)}
+    out = f"{sys.argv[1]}.rank{os.environ['RANK']}"
+    with open(out, "w", encoding="utf-8") as handle:
+        json.dump(result, handle)
+    torch.save(scheduled_w_runs(), f"{out}.pt")
+    import precision_resume
+    torch.save(precision_resume.resume_runs(os.path.dirname(out)), f"{out}.resume.pt")
+    leave(0)  # skip the process group's destructors (failures.leave)
+
+
+if __name__ == "__main__":
+    main()
