@@ -45,6 +45,8 @@ BAD_INPUTS = [
     ({}, 2, {"max_steps": 0}, "--max_steps: must be >= 1, got 0"),
     ({"terapipe.slices": "auto", "terapipe.cost_model": "COST"}, 2, {},
      "terapipe.cost_model: COST was measured for 3 stages of hidden size 64, this run has 2 stages of hidden size 256"),
+    ({"terapipe.slices": "auto", "terapipe.cost_model": "COST_FP32", "bf16": {"enabled": True}}, 2, {},
+     "terapipe.cost_model: COST_FP32 was measured in fp32, this run computes in bf16"),
     ({"terapipe.microbatches": "auto"}, 2, {}, "terapipe.microbatches: \"auto\" needs \"slices\": \"auto\""),
     ({}, 2, {"model_name_or_path": "/nonexistent/ckpt"}, "/nonexistent/ckpt"),
 ]
@@ -58,6 +60,12 @@ def test_bad_input_stops_before_work(tmp_path, monkeypatch, caplog, changes, wor
         PipelineCost([StageCost([0.0] * 4, [0.0] * 4, hidden=64) for _ in range(3)]).save(cost_file)
         changes = {**changes, "terapipe.cost_model": cost_file}
         message = message.replace("COST", cost_file)
+    if changes.get("terapipe.cost_model") == "COST_FP32":  # this model's, profiled in fp32 (no "dtype")
+        from tp_trainer.planner.cost_model import PipelineCost, StageCost
+        cost_file = str(tmp_path / "cost.json")
+        PipelineCost([StageCost([0.0] * 4, [0.0] * 4, hidden=256) for _ in range(2)]).save(cost_file)
+        changes = {**changes, "terapipe.cost_model": cost_file}
+        message = message.replace("COST_FP32", cost_file)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     out = tmp_path / "run"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
+from .config import (ConfigError, TeraPipeConfig, check_zero_stage, compute_dtype_name, load_ds_config,
+                     pipeline_stages)
 from .data import DataArgs, check_tokenizer_source
 from .model.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
 
@@ -159,7 +160,7 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
-    cost = read_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0))
+    cost = read_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0), compute_dtype_name(ds_config))
     return PipelineSpec(ds_config, terapipe, stages, cost)
 
 
@@ -175,9 +176,10 @@ def check_precision(ds_config: dict) -> None:
                               f"use {other} here, or run this config on a GPU")
 
 
-def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int):
+def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int, dtype: str = "fp32"):
     """With "auto", a cost-model file that exists is read here, once, and must describe this model's
-    stages; returns it (None: none given, or not written yet: the run profiles)."""
+    stages in this run's compute dtype; returns it (None: none given, or not written yet: the run
+    profiles)."""
     if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
         return None
     from .planner.cost_model import PipelineCost
@@ -191,6 +193,10 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int):
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
+    if cost.meta.get("dtype", "fp32") != dtype:  # a cost model without the key was measured in fp32
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured in {cost.meta.get('dtype', 'fp32')}, "
+                          f"this run computes in {dtype}; delete it to profile again in {dtype}, or point to a cost "
+                          f"model measured in {dtype}")
     if "layers" not in cost.meta:
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} holds per-stage costs only (written by an "
                           f"older tp_trainer); the planner now places layers by their measured costs: delete it "

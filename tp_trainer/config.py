@@ -209,3 +209,11 @@ def check_zero_stage(ds_config: dict) -> None:
         raise ConfigError(f"zero_optimization.stage: {stage} cannot be combined with pipeline parallelism "
                           f"(DeepSpeed partitions gradients across the pipeline's micro-steps only for "
                           f"stage <= 1); use \"stage\": 1 (optimizer-state partitioning)")
+
+
+def compute_dtype_name(ds_config: dict) -> str:
+    """The dtype the model computes in under ``ds_config``: "bf16", "fp16" or "fp32"."""
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
+            return name
+    return "fp32"

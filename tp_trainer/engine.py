@@ -364,9 +364,11 @@ class TeraPipeEngine(PipelineEngine):
         ds_compat.reduce_tied_grads(self.module, self.using_bf16_optimizer)
 
     def _exec_reduce(self, cmd: ReduceGrads):
-        bf16 = ds_compat.uses_bf16_optimizer(self)
-        if self.dp_world_size == 1 and self.zero_optimization_stage() == 0 and not bf16:
-            return  # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms)
+        only_sums = ds_compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() == 0
+        if self.dp_world_size == 1 and only_sums:
+            # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms); ZeRO-1's
+            # own optimizer is not skipped: its reduction moves .grad into its partitions
+            return
         ds_compat.reduce_grads(self)
 
     def _exec_step(self, cmd: OptimizerStep):

@@ -18,7 +18,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .checkpoint import materialize_stage
 from .checks import PipelineSpec, check_pipeline
-from .config import load_ds_config
+from .config import compute_dtype_name, load_ds_config
 from .cpu_binding import bind_cores, local_ranks
 from .engine import TeraPipeEngine
 from .failures import together
@@ -176,6 +176,6 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
-                terapipe.share_halves, lora=terapipe.lora)
+                terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config))
 
 

@@ -74,7 +74,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                     granularity: int = 8, time_budget_s: float = 60.0, cost_model_path: str | None = None,
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
-                    split_blocks: bool = True, share_halves: bool = False, lora=None) -> tuple[Layout, str]:
+                    split_blocks: bool = True, share_halves: bool = False, lora=None,
+                    dtype: str = "fp32") -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -85,7 +86,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     given back) is the runtime overhead every stage's predicted peak includes. With a limit the heap
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS).
     ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``);
-    ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``)."""
+    ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``).
+    ``dtype``: the run's compute dtype ("fp32", "bf16", "fp16"), the one the parts are profiled in."""
     rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -97,7 +99,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     else:
         unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
-                                                   time_budget_s, device, unit_limit, split_blocks)
+                                                   time_budget_s, device, unit_limit, split_blocks, dtype)
     if not split_blocks:
         layers = layers.whole()
     if lora is not None and layers.memory is not None:  # adapter state, not full state
@@ -160,13 +162,13 @@ def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,
-             halves: bool = True):
+             halves: bool = True, dtype: str = "fp32"):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = rank_and_world()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
-                                          unit_limit, halves)
+                                          unit_limit, halves, TORCH_DTYPES[dtype])
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -175,8 +177,11 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
     latency, per_byte = measure_p2p(config.hidden_size, seq_len, layers.block.bytes_per_element)
     meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
-            "torch_threads": torch.get_num_threads(), "world_size": world}
+            "torch_threads": torch.get_num_threads(), "world_size": world, "dtype": dtype}
     return layers, latency, per_byte, meta
+
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shareable_halves(config) -> tuple[str, ...]:

@@ -337,13 +337,15 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
 
 def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time_budget_s: float = 60.0,
                    device="cpu", rank: int = 0, world: int = 1,
-                   max_unit_bytes: float | None = None, halves: bool = True) -> tuple[dict, tuple, tuple]:
+                   max_unit_bytes: float | None = None, halves: bool = True,
+                   dtype: torch.dtype = torch.float32) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
-    with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``)."""
+    with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``).
+    ``dtype``: the run's compute dtype, the probe's weights and activations (bf16 / fp16 time unlike fp32)."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
-    parts, ctx, adapter = probe_parts(config, device, halves=halves)
+    parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves)
     mask_pair = torch.empty(0, dtype=torch.float32).element_size()  # probe_parts' dtype: the masks' too
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
