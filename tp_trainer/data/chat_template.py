@@ -33,8 +33,8 @@ def resolve_chat_template(tokenizer, path: Optional[str], markers: bool = True) 
     if not template:
         raise DataConfigError(
             f"messages data: the tokenizer {type(tokenizer).__name__} has no chat template; pass "
-            f"--chat_template FILE (a Jinja template whose assistant turns are inside {{% generation %}} ... "
-            f"{{% endgeneration %}}, e.g. {DEFAULT_TEMPLATE_FILE}).")
+            f"--chat_template FILE (a Jinja template that wraps each assistant reply in a generation block, "
+            f"as {DEFAULT_TEMPLATE_FILE} does).")
     if markers and "generation" not in template:
         raise DataConfigError(
             "--chat_template / the tokenizer's chat template has no {% generation %} markers, so the "

@@ -102,10 +102,10 @@ def _encode_chats(batch, indices, tokenizer, columns, eos, template, all_scored,
 def check_messages(messages, row: int, where: str, column: str = "messages") -> None:
     """A messages value must be a non-empty list of {"role": one of ROLES, "content": str}."""
     def bad(what: str) -> DataConfigError:
-        return DataConfigError(f"row {row} of {where}: {column} {what}; every message needs a role (one of "
+        return DataConfigError(f"row {row} of {where}: {column}{what}; every message needs a role (one of "
                                f"{', '.join(ROLES)}) and a string content (fix the row, or drop it).")
     if not isinstance(messages, list) or not messages:
-        raise bad(f"is {messages!r}, not a non-empty list of messages")
+        raise bad(f" is {messages!r}, not a non-empty list of messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad(f"[{i}] is {message!r}, not a {{role, content}} object")
