@@ -35,7 +35,7 @@ def main():
                for case in ec.cases(world)
                for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
     results.update({f"{case['name']}@{key}": packed_cases.train(case, dtype)   # packed examples
-                    for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items()})
+                    for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
     harness.save_rank(results, out_dir)
     if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
         lora_cases.precision_runs(world, out_dir)

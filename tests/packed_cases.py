@@ -77,21 +77,27 @@ def batches(step: int, replica: int = 0, replicas: int = 1, data=None) -> list[t
     return list(itertools.islice(stream, step * MICROBATCHES, (step + 1) * MICROBATCHES))
 
 
-def global_batch(step: int, data=None) -> list[tuple]:
-    return batches(step, data=data)
+def global_batch(step: int, data=None, replicas: int = 1) -> list[tuple]:
+    """Every replica's microbatches of the step."""
+    return [batch for replica in range(replicas) for batch in batches(step, replica, replicas, data)]
 
 
 # ----------------------------------------------------------------------------- cases and models
 def cases(world: int) -> list[dict]:
     """gpipe and 1f1b, a GPT-2 and a Llama-style model, on ``world`` (2 or 3) stages; GPT-2 with blocks
     cut at the stage boundaries."""
+    if world == 4:  # 2 stages x 2 replicas, ZeRO-1: the divisor counts both replicas' blocks (fp32 only:
+        # DeepSpeed's data-parallel reduction takes no float64)
+        return [{"name": "packed-pp2-dp2-zero1-gpt2-1f1b", "family": "gpt2", "stages": 2, "schedule": "1f1b",
+                 "split": None, "replicas": 2, "zero": 1, "dtypes": ("f32",)}]
     if world not in (2, 3):
         return []
     out = [{"name": f"packed-pp{world}-{family}-{schedule}", "family": family, "stages": world,
             "schedule": schedule, "split": None} for family in ("gpt2", "llama") for schedule in ("gpipe", "1f1b")]
     # GPT-2's blocks cut between attention and MLP at the stage boundaries (exactness_cases.CUT_SPLITS)
-    return out + [{"name": f"packed-pp{world}-gpt2-1f1b-cut", "family": "gpt2", "stages": world,
-                   "schedule": "1f1b", "split": ec.CUT_SPLITS[world]}]
+    out.append({"name": f"packed-pp{world}-gpt2-1f1b-cut", "family": "gpt2", "stages": world, "schedule": "1f1b",
+                "split": ec.CUT_SPLITS[world]})
+    return [{"replicas": 1, "zero": 0, "dtypes": ("f64", "f32"), **case} for case in out]
 
 
 def model(family: str, dtype: torch.dtype = torch.float32):
@@ -113,16 +119,17 @@ def model(family: str, dtype: torch.dtype = torch.float32):
 
 def ds_config(case: dict) -> dict:
     import pipeline_harness as harness
-    return harness.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, SLICES, case["schedule"])
+    return harness.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, SLICES, case["schedule"], case["zero"])
 
 
 def train(case: dict, dtype: torch.dtype) -> dict:
     """One pipeline rank's run of the case (pipeline_harness.train_case)."""
     import pipeline_harness as harness
     data = dataset()
+    replicas = case["replicas"]
     return harness.train_case(model(case["family"], dtype), ds_config(case),
-                              lambda step, replica: batches(step, replica, data=data), STEPS,
-                              lambda replica: batches(EVAL_STEP, replica, data=data), split=case["split"])
+                              lambda step, replica: batches(step, replica, replicas, data), STEPS,
+                              lambda replica: batches(EVAL_STEP, replica, replicas, data), split=case["split"])
 
 
 # ----------------------------------------------------------------------------- reference
@@ -156,7 +163,7 @@ def reference(case: dict, dtype: torch.dtype) -> dict:
                                   weight_decay=harness.WEIGHT_DECAY)
     losses, grads = [], None
     for step in range(STEPS):
-        loss = hf_loss(hf_model, global_batch(step, data))
+        loss = hf_loss(hf_model, global_batch(step, data, case["replicas"]))
         optimizer.zero_grad()
         loss.backward()
         if grads is None:
@@ -165,6 +172,6 @@ def reference(case: dict, dtype: torch.dtype) -> dict:
         optimizer.step()
         losses.append(loss.item())
     with torch.no_grad():
-        eval_loss = hf_loss(hf_model, global_batch(EVAL_STEP, data)).item()
+        eval_loss = hf_loss(hf_model, global_batch(EVAL_STEP, data, case["replicas"])).item()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in hf_model.named_parameters()},
             "eval": eval_loss}
