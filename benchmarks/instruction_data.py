@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     import make_docstring_qa
     qa = os.path.join(args.out + "_work", "qa")
     make_docstring_qa.write(qa, every=10)   # ~240 validation examples: 4 eval batches of 8 blocks
-    examples = ["--train_file", os.path.join(qa, "train.jsonl"), "--validation_file", os.path.join(qa, "validation.jsonl")]
+    examples = ["--train_file", os.path.join(qa, "train.jsonl"),
+                "--validation_file", os.path.join(qa, "validation.jsonl")]
     runs = {"stream": [], "examples": []}
     for repeat in range(args.repeats):
         for name, flags, every in (("stream", [], args.steps), ("examples", examples, 10)):

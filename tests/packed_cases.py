@@ -12,6 +12,7 @@ scored tokens of the global batch and divided by their number.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import datasets
@@ -62,7 +63,9 @@ def _blocks(lengths: list[int]) -> list[list[int]]:
     return blocks
 
 
+@functools.lru_cache(maxsize=None)
 def dataset(train_on_prompt: bool = False) -> ExampleBlocks:
+    """The blocks of ``examples()`` (built once per process; read-only)."""
     rows = examples()
     ds = datasets.Dataset.from_dict({"input_ids": [t for t, _ in rows],
                                      "scored": [[1] * len(s) if train_on_prompt else s for _, s in rows]},

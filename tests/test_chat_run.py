@@ -1,7 +1,7 @@
 """Chat fine-tuning end to end (launcher level), one launch: a local Llama-style checkpoint (its tokenizer
 without a chat template, so ``--chat_template`` gives the project's default) fine-tuned with LoRA
-adapters (and the LM head trained in full) on a messages file made from this machine's stdlib docstrings (scripts/make_docstring_qa.py),
-2 ranks, 2 stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
+adapters (and the LM head trained in full) on a messages file made from this machine's stdlib
+docstrings (scripts/make_docstring_qa.py), 2 ranks, 2 stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
 
 Checks: the run packs by example; its validation loss on the answers falls; the last one equals HF +
 PEFT (the saved adapter on the base checkpoint) run on each validation example alone, over the

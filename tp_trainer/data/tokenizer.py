@@ -96,8 +96,8 @@ def get_tokenizer(name_or_path: Optional[str] = None, cache_dir: Optional[str] =
     name_or_path given: `AutoTokenizer.from_pretrained(name_or_path)` (hub id or local dir);
     a failure is an OSError naming `flag` (the option that gave the name) and the fix.
     Otherwise: the embedded stdlib byte-level BPE of `vocab_size`, trained once (~2-3 s) and
-    cached under `cache_dir`, with the project's default chat template (`chat_template.py`). In multi-process runs let rank 0 call this first; the cache
-    write is atomic either way."""
+    cached under `cache_dir`, with the project's default chat template (`chat_template.py`). In
+    multi-process runs let rank 0 call this first; the cache write is atomic either way."""
     if name_or_path is not None:
         return _pretrained(name_or_path, flag)
     if vocab_size < 257 + 1:
