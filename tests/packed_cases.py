@@ -100,7 +100,9 @@ def cases(world: int) -> list[dict]:
     # GPT-2's blocks cut between attention and MLP at the stage boundaries (exactness_cases.CUT_SPLITS)
     out.append({"name": f"packed-pp{world}-gpt2-1f1b-cut", "family": "gpt2", "stages": world, "schedule": "1f1b",
                 "split": ec.CUT_SPLITS[world]})
-    return [{"replicas": 1, "zero": 0, "dtypes": ("f64", "f32"), **case} for case in out]
+    # fp32 (judged against float64) for the gpipe cases; float64 for all
+    return [{"replicas": 1, "zero": 0, "dtypes": ("f64", "f32") if case["schedule"] == "gpipe" else ("f64",), **case}
+            for case in out]
 
 
 def model(family: str, dtype: torch.dtype = torch.float32):
@@ -158,15 +160,21 @@ def hf_loss(hf_model, micro_batches) -> torch.Tensor:
 
 
 def reference(case: dict, dtype: torch.dtype) -> dict:
-    """The plain HF model trained like the pipeline (pipeline_harness.reference with hf_loss per example)."""
+    """The plain HF model trained like the pipeline (pipeline_harness.reference with hf_loss per example);
+    cases of one family and replica count share it (computed once per process)."""
+    return _reference(case["family"], case["replicas"], dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(family: str, replicas: int, dtype: torch.dtype) -> dict:
     import pipeline_harness as harness
     data = dataset()
-    hf_model = model(case["family"], dtype)
+    hf_model = model(family, dtype)
     optimizer = torch.optim.AdamW(hf_model.parameters(), lr=harness.LR, eps=harness.ADAM_EPS,
                                   weight_decay=harness.WEIGHT_DECAY)
     losses, grads = [], None
     for step in range(STEPS):
-        loss = hf_loss(hf_model, global_batch(step, data, case["replicas"]))
+        loss = hf_loss(hf_model, global_batch(step, data, replicas))
         optimizer.zero_grad()
         loss.backward()
         if grads is None:
@@ -175,6 +183,6 @@ def reference(case: dict, dtype: torch.dtype) -> dict:
         optimizer.step()
         losses.append(loss.item())
     with torch.no_grad():
-        eval_loss = hf_loss(hf_model, global_batch(EVAL_STEP, data, case["replicas"])).item()
+        eval_loss = hf_loss(hf_model, global_batch(EVAL_STEP, data, replicas)).item()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in hf_model.named_parameters()},
             "eval": eval_loss}

@@ -1,4 +1,5 @@
-"""Chat fine-tuning end to end (launcher level), one launch: a local Llama-style checkpoint (its tokenizer
+"""Chat fine-tuning end to end (launch/train.py on 2 ranks, started as the deepspeed launcher starts them,
+through multirank.run_ranks: the launcher's own start-up costs the suite 20-80 s on this machine), one run: a local Llama-style checkpoint (its tokenizer
 without a chat template, so ``--chat_template`` gives the project's default) fine-tuned with LoRA
 adapters (and the LM head trained in full) on a messages file made from this machine's stdlib
 docstrings (scripts/make_docstring_qa.py), 2 ranks, 2 stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
@@ -11,16 +12,14 @@ assistant tokens (to the log's 4 decimals); the adapter is PEFT's.
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
-from multirank import free_port
+from multirank import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-needs_launcher = pytest.mark.requires_command("deepspeed")
 TEMPLATE = os.path.join(REPO, "tp_trainer", "data", "default_chat_template.jinja")
 SEQ_LEN = 64
 
@@ -58,20 +57,15 @@ def write_inputs(directory) -> dict:
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("chat_run")
     inputs = write_inputs(base)
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py", *inputs["flags"],
-           "--output_dir", str(base / "run")]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
-    return {**inputs, "out": base / "run", "log": log}
+    outputs = run_ranks(os.path.join(REPO, "launch", "train.py"), 2, [*inputs["flags"], "--output_dir", str(base / "run")],
+                        timeout=600)
+    return {**inputs, "out": base / "run", "log": "\n".join(outputs)}
 
 
 def validation_losses(log: str) -> dict:
     return {int(s): float(v) for s, v in re.findall(r"step (\d+) validation loss ([\d.]+)", log)}
 
 
-@needs_launcher
 def test_chat_lora_run_learns_the_answers(run):
     assert "packing examples" in run["log"] and "scored labels" in run["log"], run["log"][-3000:]
     losses = validation_losses(run["log"])
@@ -81,7 +75,6 @@ def test_chat_lora_run_learns_the_answers(run):
     assert (config["r"], config["base_model_name_or_path"]) == (4, run["base"])
 
 
-@needs_launcher
 def test_validation_loss_equals_peft_on_each_example(run):
     """The pipeline's last validation loss = HF + PEFT on each validation example alone, over the
     assistant tokens of the evaluated blocks (packed_cases.hf_loss)."""
