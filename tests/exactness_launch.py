@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 
 import exactness_cases as ec
+import packed_cases
 import pipeline_harness as harness
 from multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
 WORLDS = (1, 2, 3, 4)
-WORLD_OF = {case["name"]: world for world in WORLDS for case in ec.cases(world)}
+WORLD_OF = {case["name"]: world for world in WORLDS for case in ec.cases(world) + packed_cases.cases(world)}
 
 
 class ExactnessRuns:

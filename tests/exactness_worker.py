@@ -1,5 +1,6 @@
 """One rank of the exactness run: trains every case STEPS steps through TeraPipeEngine, once in
-float64 and once in fp32 (``pipeline_harness.train_case``).
+float64 and once in fp32 (``pipeline_harness.train_case``); on 2 and 3 ranks also the packed-example
+cases (``packed_cases.py``).
 
 Saves {case name: {"f64": result, "f32": result}} (results keyed by HF parameter names).
 Usage: exactness_worker.py WORLD_SIZE OUT_DIR
@@ -11,6 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
 import lora_cases  # noqa: E402
+import packed_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
 
 
@@ -32,6 +34,8 @@ def main():
                                                  if exports(case) else None)
                for case in ec.cases(world)
                for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
+    results.update({f"{case['name']}@{key}": packed_cases.train(case, dtype)   # packed examples
+                    for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
     harness.save_rank(results, out_dir)
     if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
         lora_cases.precision_runs(world, out_dir)

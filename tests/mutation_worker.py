@@ -17,11 +17,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
 import lora_cases  # noqa: E402
+import numpy as np  # noqa: E402
+import packed_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
 
 from tp_trainer import engine as engine_module  # noqa: E402
 from tp_trainer.engine import TeraPipeEngine  # noqa: E402
+from tp_trainer.data.examples import ExampleBlocks  # noqa: E402
 from tp_trainer.model.layers import SliceContext  # noqa: E402
+from tp_trainer.model.segments import Segments  # noqa: E402
 from tp_trainer.model.slice_cache import _AppendKV  # noqa: E402
 from tp_trainer.schedule import LoadSlice  # noqa: E402
 
@@ -115,6 +119,59 @@ def _drop_adapter_grad():
 LORA_MUTATIONS = {"lora_none": contextlib.nullcontext, "lora_drop_adapter_grad": _drop_adapter_grad}
 
 
+# packed examples (tests/packed_cases.py): GPT-2 (learned positions), 2 stages, gpipe, checked against
+# HF run on each example alone
+PACKED_CASE = packed_cases.cases(2)[0]
+
+
+def _leak_previous_example():
+    """A slice's attention over the cache sees the keys of the earlier examples of its block (the
+    slice's own tokens stay apart): the example boundary is kept within a slice only."""
+    mask = Segments.mask
+
+    def leaky(self, start, length, device, window=None, first_key=0):
+        allowed = mask(self, start, length, device, window, first_key)
+        cached = torch.arange(first_key, start + length, device=device) < start
+        return allowed | cached[None, None, None]
+    return _patches((Segments, "mask", leaky),
+                    (Segments, "first_key", lambda self, start, length: 0))
+
+
+def _score_a_prompt_token():
+    """The last prompt token of each example is scored too (a label the data should mask)."""
+    getitem = ExampleBlocks.__getitem__
+
+    def scored(self, i):
+        ids, labels, positions = getitem(self, i)
+        labels = labels.clone()
+        before_answer = np.flatnonzero((labels[:-1] == -100).numpy() & (labels[1:] != -100).numpy()
+                                       & (positions[1:] != 0).numpy() & (positions[1:] > 1).numpy())
+        labels[before_answer] = ids[before_answer + 1]
+        return ids, labels, positions
+    return mock.patch.object(ExampleBlocks, "__getitem__", scored)
+
+
+def _positions_not_restarting():
+    """Position ids run on through the block instead of restarting at each example."""
+    def absolute(self, start, length):
+        return torch.arange(start, start + length, device=self.positions.device)[None].expand(
+            self.positions.shape[0], length)
+    return mock.patch.object(Segments, "slice_positions", absolute)
+
+
+@contextlib.contextmanager
+def _patches(*patches):
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in patches:
+            stack.enter_context(mock.patch.object(owner, name, value))
+        yield
+
+
+PACKED_MUTATIONS = {"packed_none": contextlib.nullcontext, "packed_leak_previous_example": _leak_previous_example,
+                    "packed_prompt_scored": _score_a_prompt_token,
+                    "packed_positions_not_restarting": _positions_not_restarting}
+
+
 def main():
     out_dir = sys.argv[1]
     results = {}
@@ -125,6 +182,9 @@ def main():
                     ec.tiny_model(case["tied"], dtype=torch.float64), ec.ds_config(case),
                     lambda step, replica: ec.batches(case, step, replica), ec.STEPS,
                     lambda replica: ec.batches(case, ec.EVAL_STEP, replica))
+    for name, mutation in PACKED_MUTATIONS.items():
+        with mutation():
+            results[name] = packed_cases.train(PACKED_CASE, torch.float64)
     harness.save_rank(results, out_dir)
 
 

@@ -49,6 +49,20 @@ CASES = [  # id, flags, substrings of the one error line, the rank that reports 
      ["tensor 'transformer.h.3.mlp.c_fc.weight' is missing (needed by stage 1)"], 1),
     ("validation_too_small", ["--validation_file", "{short_val.txt}", "--eval_batches", "3"],
      ["--eval_batches 3: needs 12 validation blocks", "--validation_file"], 0),
+    # instruction data (row 3 of each file is the bad one; the train split holds rows 0..48 as they are)
+    ("messages_unknown_role", ["--train_file", "{bad_role.jsonl}"],
+     ["row 3 of the train data of file:{bad_role.jsonl}: messages[1] has role 'bot'",
+      "one of system, user, assistant, tool"], 0),
+    ("messages_without_content", ["--train_file", "{no_content.jsonl}"],
+     ["row 3 of the train data", "messages[0] (user) has no content"], 0),
+    ("completion_missing", ["--train_file", "{no_completion.jsonl}"],
+     ["row 3 of the train data", "'completion' is None", "give every row its completion"], 0),
+    ("messages_without_chat_template", ["--tokenizer_name", "{tokenizer}", "--train_file", "{chat.jsonl}"],
+     ["has no chat template", "pass --chat_template FILE"], 0),
+    ("example_longer_than_block", ["--train_file", "{long.jsonl}", "--long_examples", "refuse"],
+     ["row 3 of the train data", "more than --block_size 64", "pass --long_examples split"], 0),
+    ("messages_streamed", ["--train_file", "{chat.jsonl}", "--packing", "stream"],
+     ["--packing stream", "use --packing examples"], 0),
 ]
 TRAINS = ("validation_file_alone", ["--validation_file", "{val.txt}", "--eval_batches", "1", "--max_steps", "1",
                                     "--eval_interval", "1"])
@@ -77,9 +91,29 @@ def _data_files(tmp) -> dict:
     files["short_val.txt"].write_text(decoder[:1500])  # a few blocks of 65 tokens
     files["val.txt"].write_text(decoder)
     pq.write_table(pa.table({"text": [f"row {i} " * 50 for i in range(200)]}), files["corrupt.parquet"])
+    files.update(_instruction_files(tmp))
     data = files["corrupt.parquet"].read_bytes()
     files["corrupt.parquet"].write_bytes(data[: len(data) // 2])
     return {name: str(path) for name, path in files.items()}
+
+
+def _instruction_files(tmp) -> dict:
+    """Chat and prompt/completion files of 60 rows whose row 3 is bad one way each."""
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"what is {i}?"}, {"role": "assistant", "content": f"{i}"}]}
+    bad = {"bad_role.jsonl": {"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]},
+           "no_content.jsonl": {"messages": [{"role": "user"}, {"role": "assistant", "content": "hello"}]},
+           "no_completion.jsonl": {"prompt": "what is 3?", "completion": None},
+           "long.jsonl": {"prompt": "tell me everything", "completion": " and" * 100},
+           "chat.jsonl": chat(3)}
+    files = {}
+    for name, row in bad.items():
+        good = ({"prompt": f"what is {i}?", "completion": f" {i}"} if "completion" in row else chat(i)
+                for i in range(60))
+        rows = [row if i == 3 else good_row for i, good_row in enumerate(good)]
+        (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        files[name] = tmp / name
+    return files
 
 
 def _checkpoints(tmp) -> dict:
@@ -209,7 +243,9 @@ def test_launcher_exit_code_and_output(inputs, tmp_path):
 
 MESSAGE_SOURCES = ["tp_trainer/checks.py", "tp_trainer/run.py", "tp_trainer/config.py", "tp_trainer/initialize.py",
                    "tp_trainer/resume.py", "tp_trainer/resume_checks.py", "tp_trainer/checkpoint/hf_load.py",
-                   "tp_trainer/data/corpus.py", "tp_trainer/data/packing.py", "tp_trainer/data/tokenizer.py"]
+                   "tp_trainer/data/corpus.py", "tp_trainer/data/packing.py", "tp_trainer/data/tokenizer.py",
+                   "tp_trainer/data/files.py", "tp_trainer/data/instructions.py", "tp_trainer/data/examples.py",
+                   "tp_trainer/data/chat_template.py"]
 
 
 def test_help_lists_every_flag_a_message_names(capsys):

@@ -1,7 +1,9 @@
 """The exactness check can fail: the float64 check of pipeline_harness passes the real engine and
 fails each deliberately broken one (mutation_worker.py: a dropped K/V gradient, shifted position
 ids, a skipped tied-weight reduction, a mis-weighted slice loss, the last slice scored against the
-wrong labels, clipping by each stage's own norm; with LoRA, one stage's adapter gradients dropped).
+wrong labels, clipping by each stage's own norm; with LoRA, one stage's adapter gradients dropped;
+with packed examples, checked against HF on each example alone: attention over the cache leaking into
+the previous example, a prompt token scored, positions not restarting per example).
 One launch of 2 ranks trains them all.
 """
 
@@ -10,6 +12,7 @@ import os
 import exactness_cases as ec
 import lora_cases
 import mutation_worker as mw
+import packed_cases
 import pipeline_harness as harness
 import pytest
 import torch
@@ -66,3 +69,19 @@ def test_lora(rank_files, lora_exact, mutation):
     wrong = {name for name, value in grads.items() if value > harness.F64_TOL["grad"]}
     assert wrong == {"transformer.h.2.mlp.c_fc.lora_B.default.weight"}, wrong
     print(f"{mutation}: {str(failure.value).splitlines()[0]}; wrong gradients: {sorted(wrong)}")
+
+
+@pytest.fixture(scope="module")
+def packed_exact():
+    return packed_cases.reference(mw.PACKED_CASE, torch.float64)
+
+
+@pytest.mark.parametrize("mutation", list(mw.PACKED_MUTATIONS))
+def test_packed(rank_files, packed_exact, mutation):
+    """Packed examples against HF on each example alone: the real engine passes, each mutation fails."""
+    if mutation == "packed_none":
+        check(rank_files, packed_exact, mutation)
+        return
+    with pytest.raises(AssertionError) as failure:
+        check(rank_files, packed_exact, mutation)
+    print(f"{mutation}: {str(failure.value).splitlines()[0]}")

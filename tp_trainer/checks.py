@@ -60,7 +60,7 @@ def validate(args, world_size: int) -> RunSpec:
     seq_len = section.get("seq_len", 1024)
     data = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
                     train_file=args.train_file, validation_file=args.validation_file, text_column=args.text_column,
-                    block_size=seq_len if isinstance(seq_len, int) else 1024)
+                    block_size=seq_len if isinstance(seq_len, int) else 1024, **instruction_fields(args))
     checkpoint, checkpoint_config = _checkpoint(args)
     tokenizer_source = ((args.tokenizer_name, "--tokenizer_name") if args.tokenizer_name
                         else (checkpoint, "--model_name_or_path"))
@@ -76,6 +76,13 @@ def validate(args, world_size: int) -> RunSpec:
                                    args.reset_optimizer, args.reset_data_position)
         spec = RunSpec(**{**spec.__dict__, "resume_from": resume_from})
     return spec
+
+
+def instruction_fields(args) -> dict:
+    """The ``DataArgs`` fields of instruction data (formats, chat template, packing) from the run's flags."""
+    names = ("prompt_column", "completion_column", "messages_column", "chat_template", "train_on_prompt", "packing",
+             "long_examples")
+    return {name: getattr(args, name) for name in names}
 
 
 def merge_lora_flags(section: dict, args) -> None:

@@ -20,6 +20,12 @@ Shapes are known on both sides from the plan: slice (m, j) carries an activation
 Loss: each slice contributes sum(cross-entropy over its tokens) / (tokens of a microbatch), so a
 microbatch's slices add up to its mean loss; ``train_batch`` divides by the number of microbatches and
 ``step_loss`` averages over replicas, giving the mean over all predicted tokens of the global batch.
+Packed examples (``data/examples.py``): a microbatch is (input_ids, labels, positions, divisor); the
+divisor, the step's scored labels over every replica / (replicas x microbatches), replaces the tokens
+of a microbatch, so the step's loss is the mean over the global batch's scored tokens. Every stage
+reads the microbatches itself, middle stages too (DeepSpeed hands the iterator to the first and last
+only): the positions tell each stage's attention and position ids where the examples start
+(``model/segments.py``), with no message between stages.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import ds_compat
 from .model.head_loss import HeadLossLabels, fuse_head_loss
+from .model.segments import Segments
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import DeferredWeightGrads, defer_stage, weight_grads_in_b
 from .memory import ActivationTracker, current_rss_mb
@@ -140,7 +147,7 @@ class TeraPipeEngine(PipelineEngine):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_batch() requires gradients enabled; use eval_batch() instead")
         if data_iter is not None:
-            self.set_dataiterator(data_iter)
+            self._set_data(data_iter)
         self.module.train()
         self.timers(TRAIN_BATCH_TIMER).start()
         self._run(self._train_program)
@@ -150,6 +157,12 @@ class TeraPipeEngine(PipelineEngine):
         self.timers(TRAIN_BATCH_TIMER).stop()
         self._report_step(self.agg_train_loss)
         return self.agg_train_loss
+
+    def _set_data(self, data_iter) -> None:
+        """DeepSpeed's ``set_dataiterator`` (first and last stage); a middle stage keeps the iterator too,
+        for the example layout of each microbatch (``_segments``)."""
+        self.set_dataiterator(data_iter)
+        self._layout_iterator = data_iter
 
     def step_loss(self, replica_loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss (this replica's mean; None elsewhere) averaged over the replicas and
@@ -214,6 +227,7 @@ class TeraPipeEngine(PipelineEngine):
 
     def _reset_step_state(self):
         self._batches = {}     # microbatch -> (input_ids, labels), both (b, seq_len), first/last stage
+        self._layouts = {}     # microbatch -> (positions (b, seq_len), loss divisor) of packed examples, or ()
         self._next_microbatch = 0
         self._kv = {}          # microbatch -> SequenceKV of this stage's attention layers
         self._inputs = {}      # (m, j) -> slice input: ids on the first stage, else received activation
@@ -266,7 +280,7 @@ class TeraPipeEngine(PipelineEngine):
             if m != self._next_microbatch:
                 raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
             batch = next(self.data_iterator)   # DeepSpeed's data iterator, and its batch_fn if one is set
-            input_ids, labels = self.batch_fn(batch) if self.batch_fn else batch
+            input_ids, labels, *self._layouts[m] = self.batch_fn(batch) if self.batch_fn else batch
             self._batches[m] = (to_device(input_ids, self.device), to_device(labels, self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
@@ -280,7 +294,9 @@ class TeraPipeEngine(PipelineEngine):
 
     def _exec_forward_slice(self, cmd: ForwardSlice):
         m, j = cmd.microbatch, cmd.slice
-        kv = self._kv.setdefault(m, SequenceKV(self._seq_len))
+        if m not in self._kv:
+            self._kv[m] = SequenceKV(self._seq_len, segments=self._segments(m))
+        kv = self._kv[m]
         self.slice_context.begin(kv, self._offsets[j], self._slices[j])
         if self.head_loss is not None:
             self.head_loss.labels = self._labels[(m, j)]
@@ -294,13 +310,26 @@ class TeraPipeEngine(PipelineEngine):
             del self._kv[m]  # no backward will need it
         if self.is_last_stage():
             labels = self._labels.pop((m, j))
-            loss = (outputs / self._tokens_per_microbatch if self.head_loss is not None
-                    else slice_loss(outputs, labels, self._tokens_per_microbatch))
+            divisor = self._layouts[m][1] if self._layouts.get(m) else self._tokens_per_microbatch
+            loss = outputs / divisor if self.head_loss is not None else slice_loss(outputs, labels, divisor)
             self.fwd_outputs.append(loss.detach())   # train_batch / eval_batch sum them
             if training:
                 self._losses[(m, j)] = loss
         else:
             self._outputs[(m, j)] = outputs
+
+    def _segments(self, m: int) -> Segments | None:
+        """The example layout of microbatch ``m`` on this stage (None: one sequence per row). First and
+        last stage: what LOAD read; a middle stage reads the microbatch from its own iterator here, in
+        the same order (forwards start microbatches in order)."""
+        if not (self.is_first_stage() or self.is_last_stage()):
+            if m != self._next_microbatch:
+                raise RuntimeError(f"microbatch {m} forwarded out of order (expected {self._next_microbatch})")
+            batch = next(self._layout_iterator) if getattr(self, "_layout_iterator", None) is not None else ()
+            self._layouts[m] = list(batch[2:])
+            self._next_microbatch += 1
+        layout = self._layouts.get(m)
+        return Segments(layout[0], self.device) if layout else None
 
     # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
     # receive was posted when the previous one of its kind completed, or after the last send to the
@@ -396,7 +425,8 @@ class TeraPipeEngine(PipelineEngine):
         """
         micro = num_micro_batches or self.micro_batches
         train_iterator, was_training = self.data_iterator, self.module.training
-        self.set_dataiterator(data_iter)
+        train_layouts = getattr(self, "_layout_iterator", None)   # a middle stage's (``_set_data``)
+        self._set_data(data_iter)
         self.module.eval()
         try:
             with torch.no_grad():
@@ -407,4 +437,5 @@ class TeraPipeEngine(PipelineEngine):
             return self.step_loss(sum(self.fwd_outputs) / micro if self.is_last_stage() else None)
         finally:
             self.set_dataiterator(train_iterator)
+            self._layout_iterator = train_layouts
             self.module.train(was_training)

@@ -238,13 +238,19 @@ def _append_jsonl(path: str, record: dict) -> None:
 
 def evaluate(engine, dataset, args: RunArgs, step: int, rank: int) -> float:
     """Validation loss and perplexity over ``args.eval_batches`` batches, through the pipeline (the set
-    is large enough: ``checks.check_validation_size`` ran at start)."""
+    is large enough: ``checks.check_validation_size`` ran at start). Blocks of examples go in the
+    training order (``step_batches``), which gives each batch its scored-token divisor: the loss is
+    the mean over the scored tokens of each evaluated global batch."""
     import math
 
     from torch.utils.data import DataLoader, DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=engine.dp_world_size,
-                                 rank=engine.grid.data_parallel_id, shuffle=False)
-    loader = iter(DataLoader(dataset, batch_size=engine.micro_batch_size, sampler=sampler, drop_last=True))
+    if hasattr(dataset, "scored_tokens"):
+        loader = step_batches(dataset, engine.micro_batch_size, engine.micro_batches, engine.grid.data_parallel_id,
+                              engine.dp_world_size)
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=engine.dp_world_size,
+                                     rank=engine.grid.data_parallel_id, shuffle=False)
+        loader = iter(DataLoader(dataset, batch_size=engine.micro_batch_size, sampler=sampler, drop_last=True))
     losses = [float(engine.eval_batch(loader)) for _ in range(args.eval_batches)]
     loss = sum(losses) / len(losses)
     if rank == 0:

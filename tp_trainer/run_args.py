@@ -46,6 +46,23 @@ class RunArgs:
         "validation part it replaces", "data")
     text_column: str = _flag("text", "json/csv/parquet/hub column holding the text (default %(default)s)", "data")
     block_size: int | None = _flag(None, "sequence length; overrides terapipe.seq_len", "data")
+    prompt_column: str | None = _flag(None, "prompt/completion data: column of the prompt (default: 'prompt' where "
+                                      "the data has prompt and completion columns)", "data")
+    completion_column: str | None = _flag(None, "prompt/completion data: column of the completion, the scored answer "
+                                          "(default 'completion')", "data")
+    messages_column: str | None = _flag(None, "chat data: column of the messages, a list of {role, content} (default: "
+                                        "'messages' where the data has it)", "data")
+    chat_template: str | None = _flag(None, "Jinja chat template file for messages data, its assistant turns in "
+                                      "{%% generation %%} ... {%% endgeneration %%} (default: the tokenizer's; the "
+                                      "embedded tokenizer's is tp_trainer/data/default_chat_template.jinja)", "data")
+    train_on_prompt: bool = _flag(False, "score every token, prompts and user turns too (default: only completions "
+                                  "and assistant turns)", "data", action="store_true")
+    packing: str = _flag("auto", "stream: documents joined into one token stream (text only); examples: whole "
+                         "examples per block, each attending only to itself; none: one example per block, padded; "
+                         "auto (default): stream for text, examples for prompt/completion and messages", "data",
+                         choices=("auto", "stream", "examples", "none"))
+    long_examples: str = _flag("split", "an example longer than --block_size (packing examples / none): split into "
+                               "pieces (default) or refuse (stop, naming the row)", "data", choices=("split", "refuse"))
     # ------------------------------------------------------------------ training
     max_steps: int = _flag(30, "optimizer steps to run (default %(default)s)", "training")
     eval_interval: int = _flag(10, "evaluate every N steps (and at the end)", "training")

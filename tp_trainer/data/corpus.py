@@ -22,23 +22,18 @@ from typing import Optional
 
 import datasets
 
-from ..config import ConfigError
+from .errors import DataConfigError
+from .files import LOCAL_BUILDERS, _check_local_file, _check_utf8_text  # noqa: F401 (_check_utf8_text: tests)
 
 SPLITS = ("train", "validation")
 DEFAULT_VALIDATION_FRACTION = 0.02  # every 50th stdlib file
 # Directory names never walked into when listing the stdlib corpus.
 EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
-# Local file extension -> `datasets` builder name.
-LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
-                  ".csv": "csv", ".parquet": "parquet"}
-
-
-class DataConfigError(ConfigError):
-    """Bad data input (a field of `DataArgs`, a missing file, an empty split). The message names
-    the field and the fix; raised before any expensive work where possible. Fields that
-    launch/train.py sets from a flag are named by the flag (`--train_file`), the others as
-    `DataArgs.<field>`."""
+# What one row of the source is (``data_format``) and how examples become blocks (``DataArgs.packing``).
+FORMATS = ("text", "prompt_completion", "messages")
+PACKINGS = ("auto", "stream", "examples", "none")
+LONG_EXAMPLES = ("split", "refuse")
 
 
 def default_cache_dir() -> str:
@@ -70,6 +65,29 @@ class DataArgs:
     embedded corpus). Unset: `validation_fraction` of train is held out."""
     text_column: str = "text"
     """Column holding the document text (json/csv/parquet/hub)."""
+    prompt_column: Optional[str] = None
+    """Column of the prompt of prompt/completion data. None: "prompt" where the data has a "prompt" and
+    a "completion" column (and no messages column)."""
+    completion_column: Optional[str] = None
+    """Column of the completion (the scored answer) of prompt/completion data. None: "completion"."""
+    messages_column: Optional[str] = None
+    """Column of conversational data: a list of {"role", "content"} per row, rendered with the chat
+    template. None: "messages" where the data has that column."""
+    chat_template: Optional[str] = None
+    """Jinja chat template file for messages data (else the tokenizer's own, else the project's
+    default, ``data/default_chat_template.jinja``); it marks the assistant turns with
+    {% generation %} ... {% endgeneration %}."""
+    train_on_prompt: bool = False
+    """Score every token of an example, prompts and user turns too (default: only the completion or
+    the assistant turns are scored, labels -100 elsewhere)."""
+    packing: str = "auto"
+    """How examples become blocks: "stream" (documents joined with eos into one token stream that
+    blocks cut anywhere, attending across documents; text only), "examples" (several whole examples
+    per block, each attending only to itself with positions from 0), "none" (one example per block,
+    padded). "auto": stream for text, examples for prompt/completion and messages."""
+    long_examples: str = "split"
+    """An example longer than block_size with packing examples / none: "split" into pieces of
+    block_size tokens (each its own example), or "refuse" (stop, naming the row)."""
     text_sample_by: str = "paragraph"
     """How a .txt file is cut into documents: "line", "paragraph" (blank-line separated) or
     "document" (whole file). Documents are joined with the eos token."""
@@ -102,6 +120,14 @@ class DataArgs:
                                   "set --dataset_name or drop --dataset_config_name.")
         for name in ("train_file", "validation_file"):
             _check_local_file(name, getattr(self, name))
+        if self.packing not in PACKINGS:
+            raise DataConfigError(f"--packing {self.packing!r}: use one of {', '.join(PACKINGS)}.")
+        if self.long_examples not in LONG_EXAMPLES:
+            raise DataConfigError(f"--long_examples {self.long_examples!r}: use 'split' or 'refuse'.")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise DataConfigError(f"--chat_template: file not found: {self.chat_template!r}; pass a Jinja "
+                                  "template file, or leave the flag out to use the tokenizer's own template or "
+                                  "the project's default.")
         if self.text_sample_by not in ("line", "paragraph", "document"):
             raise DataConfigError(f"DataArgs.text_sample_by={self.text_sample_by!r}: use "
                                   "'line', 'paragraph' or 'document'.")
@@ -128,88 +154,15 @@ class DataArgs:
             return f"file:{self.train_file}"
         return f"stdlib:python{sys.version_info.major}.{sys.version_info.minor}"
 
+    def packing_for(self, data_format: str) -> str:
+        """The packing of a source of ``data_format`` (resolves "auto")."""
+        if self.packing != "auto":
+            return self.packing
+        return "stream" if data_format == "text" else "examples"
+
     def split_source(self, split: str) -> str:
         """`source`, or the validation file where the validation split comes from one."""
         return f"file:{self.validation_file}" if split == "validation" and self.validation_file else self.source
-
-
-def _check_local_file(name: str, path: Optional[str]) -> None:
-    """Raise DataConfigError naming `name` unless `path` is None or an existing supported file."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise DataConfigError(f"--{name}: {str(p)!r} is a directory; pass one "
-                              ".txt/.json/.jsonl/.csv/.parquet file in it.")
-    if not p.is_file():
-        raise DataConfigError(f"--{name}: file not found: {str(p)!r}. Pass an existing "
-                              f".txt/.json/.jsonl/.csv/.parquet file, or leave out --{name} "
-                              "to use the embedded stdlib corpus.")
-    if p.suffix.lower() not in LOCAL_BUILDERS:
-        raise DataConfigError(f"--{name}: unsupported extension {p.suffix!r} for {str(p)!r}"
-                              f"; use one of {sorted(LOCAL_BUILDERS)}.")
-    if p.stat().st_size == 0:
-        raise DataConfigError(f"--{name}: file {str(p)!r} is empty; pass a file with "
-                              "text in it.")
-    if LOCAL_BUILDERS[p.suffix.lower()] == "parquet":
-        _check_parquet(name, p)
-    else:
-        _check_utf8_text(name, p)
-
-
-def _check_parquet(name: str, p: Path) -> None:
-    """A parquet file's footer (schema, row groups) must read: a cheap check (no rows are read)
-    that stops a corrupt or truncated file before any process group exists."""
-    import pyarrow.parquet as pq
-    try:
-        pq.ParquetFile(p).close()
-    except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise DataConfigError(f"--{name}: {str(p)!r} is not a readable parquet file "
-                              f"({type(err).__name__}: {err}); write it again, e.g. with "
-                              "pandas.DataFrame.to_parquet or datasets.Dataset.to_parquet.") from None
-
-
-UTF8_CHUNK = 1 << 20  # bytes read at a time by _check_utf8_text
-
-
-def _check_utf8_text(name: str, p: Path, chunk_size: int = UTF8_CHUNK) -> None:
-    """Raise DataConfigError naming `name` if the text file `p` is not valid UTF-8 (first bad
-    byte: offset, line, column) or holds only whitespace. Reads `chunk_size` bytes at a time
-    through an incremental decoder, so a large file is never held in memory at once."""
-    import codecs
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = lines = line_start = 0  # bytes before this chunk, newlines before it, start of the line
-    has_text = False
-    with open(p, "rb") as handle:
-        while True:
-            chunk = handle.read(chunk_size)
-            pending = decoder.getstate()[0]  # an incomplete sequence carried from the last chunk
-            try:
-                text = decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as err:
-                data = pending + chunk
-                bad = offset - len(pending) + err.start
-                before = data[:err.start]
-                line = lines + before.count(b"\n") + 1
-                start = offset - len(pending) + before.rfind(b"\n") + 1 if b"\n" in before else line_start
-                byte = data[err.start:err.start + 1].hex()
-                raise DataConfigError(
-                    f"--{name}: {str(p)!r} is not valid UTF-8: byte 0x{byte} at offset {bad} "
-                    f"(line {line}, byte {bad - start + 1} of the line: {err.reason}); re-encode the "
-                    "file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt` for a Latin-1 "
-                    "file.") from None
-            if not has_text and text.strip():
-                has_text = True
-            if not chunk:
-                break
-            newline = chunk.rfind(b"\n")
-            if newline >= 0:
-                line_start = offset + newline + 1
-            lines += chunk.count(b"\n")
-            offset += len(chunk)
-    if not has_text:
-        raise DataConfigError(f"--{name}: file {str(p)!r} holds only whitespace; pass a "
-                              "file with text in it.")
 
 
 # ---------------------------------------------------------------- embedded stdlib corpus
@@ -352,13 +305,56 @@ def load_text_dataset(args: DataArgs, split: str = "train") -> datasets.Dataset:
         ds = _load_local(args, "train_file", split)
     else:
         ds = stdlib_dataset(split, args.cache_dir, args.validation_fraction)
-    _check_text_column(ds, args, split)
+    _check_columns(ds, args, split)
     if len(ds) == 0:
         fix = ("pass --validation_file, or a source with more documents (every "
                f"{round(1 / args.validation_fraction)}th is held out)" if split == "validation"
                and args.validation_fraction else "add data")
         raise DataConfigError(f"The {split} split of {args.split_source(split)} is empty; {fix}.")
     return ds
+
+
+def data_format(ds: datasets.Dataset, args: DataArgs) -> str:
+    """What a row of ``ds`` is: "messages" (a messages column, named or called "messages"),
+    "prompt_completion" (prompt and completion columns, named or so called) or "text"."""
+    columns = set(ds.column_names)
+    if args.messages_column or (not args.prompt_column and not args.completion_column and "messages" in columns):
+        return "messages"
+    if args.prompt_column or args.completion_column or {"prompt", "completion"} <= columns:
+        return "prompt_completion"
+    return "text"
+
+
+def format_columns(data_format: str, args: DataArgs) -> tuple[tuple[str, str], ...]:
+    """The (column, flag) pairs a format reads."""
+    if data_format == "messages":
+        return ((args.messages_column or "messages", "--messages_column"),)
+    if data_format == "prompt_completion":
+        return ((args.prompt_column or "prompt", "--prompt_column"),
+                (args.completion_column or "completion", "--completion_column"))
+    return ((args.text_column, "--text_column"),)
+
+
+def _check_columns(ds: datasets.Dataset, args: DataArgs, split: str) -> None:
+    """The columns of the data's format must exist (text: and hold strings); each message names its flag."""
+    data_format = data_format_checked(ds, args)
+    if data_format == "text":
+        _check_text_column(ds, args, split)
+        return
+    for column, flag in format_columns(data_format, args):
+        if column not in ds.column_names:
+            raise DataConfigError(f"{flag}={column!r}: no such column in the {split} data of "
+                                  f"{args.split_source(split)} (columns {ds.column_names}); pass {flag} with the "
+                                  "column that holds it.")
+
+
+def data_format_checked(ds: datasets.Dataset, args: DataArgs) -> str:
+    """``data_format``, refusing packing "stream" for prompt/completion and messages data."""
+    found = data_format(ds, args)
+    if found != "text" and args.packing == "stream":
+        raise DataConfigError(f"--packing stream joins documents into one stream scored everywhere; {found} data "
+                              "is packed by example: use --packing examples (the default) or none.")
+    return found
 
 
 def _check_text_column(ds: datasets.Dataset, args: DataArgs, split: str) -> None:

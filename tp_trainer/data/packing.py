@@ -1,4 +1,5 @@
-"""Tokenize documents with `datasets.map` and pack the token stream into LM blocks.
+"""Tokenize documents with `datasets.map` and pack the token stream into LM blocks (``--packing
+stream``; examples kept apart, ``--packing examples`` / ``none``: ``examples.py``), and the batches.
 
 Layout: every document is tokenized and followed by the eos token; the documents of a split,
 in order, form one token stream. Block i is stream[i*(B+1) : (i+1)*(B+1)] for B = block_size;
@@ -23,6 +24,13 @@ microbatch m the blocks [m*b, (m+1)*b) of that (b = microbatch size). Index i re
 i mod len(dataset) (the dataset repeats). Resuming is starting at the global index of the first
 step not yet trained, whatever the layout was when the checkpoint was written.
 
+Blocks of examples (``ExampleBlocks``) come with their position ids, and every microbatch with the
+step's loss divisor: (input_ids, labels, positions, divisor), where divisor = the scored labels of the
+step's whole global batch (every replica's blocks; the data gives it, so nothing is communicated)
+divided by replicas x microbatches. A slice's loss is its summed cross-entropy / divisor, so the
+step's loss is the mean over the global batch's scored tokens, as for stream blocks (whose divisor
+is the fixed microbatch_size x seq_len).
+
 (Before layout-free checkpoints, replica r's k-th sample was block k * replicas + r: the same
 blocks per step, interleaved. A checkpoint of that rule records samples per replica; times the
 replicas it is the global index, and the next steps read the same blocks.)
@@ -38,7 +46,9 @@ import numpy as np
 import torch
 from datasets.fingerprint import Hasher
 
-from .corpus import DataArgs, DataConfigError, load_text_dataset
+from .corpus import DataArgs, DataConfigError, data_format_checked, load_text_dataset
+from .examples import ExampleBlocks
+from .instructions import tokenize_examples
 
 TOKENS_FEATURES = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
 _FORMAT_VERSION = "tp_trainer-tokenize-v1"  # bump when the tokenized layout changes
@@ -160,16 +170,26 @@ class PackedBlocks(torch.utils.data.Dataset):
                 f"{self.block_size}); {unused:,} tokens unused{capped}")
 
 
-def build_lm_dataset(args: DataArgs, tokenizer, split: str = "train") -> PackedBlocks:
-    """The packed LM dataset of one split: load text (corpus.load_text_dataset), tokenize
-    (cached datasets.map), view as blocks. Same args and tokenizer -> same blocks.
-    `args.max_train_blocks` caps the train split only. Raises DataConfigError if the split has
-    fewer than block_size + 1 tokens."""
+def build_lm_dataset(args: DataArgs, tokenizer, split: str = "train") -> PackedBlocks | ExampleBlocks:
+    """The packed LM dataset of one split: load the rows (corpus.load_text_dataset), tokenize
+    (cached datasets.map), view as blocks: a token stream (``PackedBlocks``) or whole examples
+    (``ExampleBlocks``), by ``args.packing_for`` the data's format. Same args and tokenizer -> same
+    blocks. `args.max_train_blocks` caps the train split only. Raises DataConfigError if the split
+    has no block (stream: fewer than block_size + 1 tokens) or a bad row."""
     text = load_text_dataset(args, split)
-    tokens = tokenize_dataset(text, tokenizer, args.text_column, args.num_proc)
+    data_format = data_format_checked(text, args)
     cap = args.max_train_blocks if split == "train" else None
-    blocks = PackedBlocks(tokens, args.block_size, max_blocks=cap, documents=len(text),
-                          name=f"{split} [{args.split_source(split)}]")
+    name = f"{split} [{args.split_source(split)}]"
+    if args.packing_for(data_format) != "stream":
+        examples = tokenize_examples(text, tokenizer, args, data_format, split, _tokenizer_key(tokenizer))
+        blocks = ExampleBlocks(examples, args.block_size, args.packing_for(data_format), args.long_examples,
+                               tokenizer.eos_token_id, where=f"the {split} data of {args.split_source(split)}",
+                               max_blocks=cap, name=name)
+        if len(blocks) == 0:
+            raise DataConfigError(f"The {split} split of {args.split_source(split)} has no example; add data.")
+        return blocks
+    tokens = tokenize_dataset(text, tokenizer, args.text_column, args.num_proc)
+    blocks = PackedBlocks(tokens, args.block_size, max_blocks=cap, documents=len(text), name=name)
     if len(blocks) == 0:
         raise DataConfigError(
             f"The {split} split of {args.split_source(split)} has {blocks.total_tokens} tokens, "
@@ -182,16 +202,25 @@ def build_lm_dataset(args: DataArgs, tokenizer, split: str = "train") -> PackedB
 def step_batches(dataset, micro_batch_size: int, micro_batches: int, replica: int, replicas: int,
                  start: int = 0):
     """Yield this replica's (input_ids, labels) microbatches, each (micro_batch_size, seq_len),
-    ``micro_batches`` per step, from global sample index ``start`` (a multiple of the global batch)."""
+    ``micro_batches`` per step, from global sample index ``start`` (a multiple of the global batch).
+    Blocks of examples (a dataset with ``scored_tokens``): (input_ids, labels, positions, divisor),
+    divisor (float) = the step's scored labels over every replica / (replicas x micro_batches)."""
     per_replica = micro_batch_size * micro_batches
     global_batch = per_replica * replicas
     if len(dataset) < 1:
         raise ValueError("an empty dataset cannot feed training")
     if start % global_batch:
         raise ValueError(f"start {start} is not a multiple of the global batch {global_batch}")
+    counted = getattr(dataset, "scored_tokens", None)
     for index in _replica_indices(start, global_batch, per_replica, replica, micro_batch_size):
         items = [dataset[i % len(dataset)] for i in index]
-        yield torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+        batch = tuple(torch.stack(column) for column in zip(*items))
+        if counted is None:
+            yield batch
+            continue
+        first = index.start - index.start % global_batch
+        scored = sum(counted(i % len(dataset)) for i in range(first, first + global_batch))
+        yield (*batch, max(scored, 1) / (replicas * micro_batches))
 
 
 def _replica_indices(start: int, global_batch: int, per_replica: int, replica: int, micro_batch_size: int):

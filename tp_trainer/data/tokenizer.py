@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Optional
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from .chat_template import default_chat_template
 from .corpus import default_cache_dir, read_source, stdlib_files
 
 EOS_TOKEN = "<|endoftext|>"
@@ -95,16 +96,18 @@ def get_tokenizer(name_or_path: Optional[str] = None, cache_dir: Optional[str] =
     name_or_path given: `AutoTokenizer.from_pretrained(name_or_path)` (hub id or local dir);
     a failure is an OSError naming `flag` (the option that gave the name) and the fix.
     Otherwise: the embedded stdlib byte-level BPE of `vocab_size`, trained once (~2-3 s) and
-    cached under `cache_dir`. In multi-process runs let rank 0 call this first; the cache
-    write is atomic either way."""
+    cached under `cache_dir`, with the project's default chat template (`chat_template.py`). In
+    multi-process runs let rank 0 call this first; the cache write is atomic either way."""
     if name_or_path is not None:
         return _pretrained(name_or_path, flag)
     if vocab_size < 257 + 1:
         raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least 258 "
                          "(256 bytes + <|endoftext|> + 1 merge).")
     path = default_tokenizer_path(cache_dir, vocab_size)
-    return load_or_train(path, _stdlib_train_texts, vocab_size, show_progress,
-                         length=len(stdlib_files("train")))
+    tokenizer = load_or_train(path, _stdlib_train_texts, vocab_size, show_progress,
+                              length=len(stdlib_files("train")))
+    tokenizer.chat_template = default_chat_template()
+    return tokenizer
 
 
 def _pretrained(name_or_path: str, flag: str):

@@ -53,12 +53,15 @@ class SliceSpan:
 
     ``window``: sliding-window size of the layer (query at p sees keys p - window < k <= p) or None.
     ``source``: the ``SliceContext`` whose per-slice / per-plan memo holds the masks (None: build).
+    ``segments``: packed examples (``model.segments.Segments``): each query sees keys of its own example
+    only, keys before the slice's earliest example are skipped, the mask is (b, 1, l, ...) and per slice.
     """
 
     start: int
     length: int
     window: int | None = None
     source: object = None
+    segments: object = None
 
     @property
     def windowed(self) -> bool:
@@ -67,12 +70,23 @@ class SliceSpan:
 
     @property
     def first_key(self) -> int:
-        """No query of the slice sees a key before this index (0 without a window)."""
-        return max(0, self.start - self.window + 1) if self.windowed else 0
+        """No query of the slice sees a key before this index (0 without a window or packed examples)."""
+        first = max(0, self.start - self.window + 1) if self.windowed else 0
+        if self.segments is not None:
+            first = max(first, self.segments.first_key(self.start, self.length))
+        return first
+
+    @property
+    def causal(self) -> bool:
+        """True when plain causal attention from key 0 is exact (the kernels' ``is_causal``, no mask)."""
+        return self.start == 0 and not self.windowed and self.segments is None
 
     def mask(self, device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """(1, 1, length, start + length - first_key): boolean (True: query sees key) or, for a float
         dtype, additive (0 / -inf)."""
+        if self.segments is not None:
+            return self._segment_mask(device, dtype)
+
         def make():
             allowed = span_mask(self.start, self.length, device, self.window if self.windowed else None,
                                 self.first_key)
@@ -84,6 +98,19 @@ class SliceSpan:
             return make()
         nbytes = self.length * (self.start + self.length - self.first_key) * torch.empty(0, dtype=dtype).element_size()
         return source.plan_or_slice(("span mask", self.window, dtype, device), make, nbytes)
+
+
+    def _segment_mask(self, device, dtype):
+        """``mask`` for packed examples: (b, 1, length, start + length - first_key), once per slice."""
+        def make():
+            allowed = self.segments.mask(self.start, self.length, device, self.window, self.first_key)
+            if dtype == torch.bool:
+                return allowed
+            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        source = self.source
+        if source is None or (source.start, source.length) != (self.start, self.length):
+            return make()
+        return source.per_slice(("span mask", self.window, dtype, device), make)
 
 
 def span_mask(start: int, length: int, device, window: int | None = None, first_key: int = 0) -> torch.Tensor:
@@ -104,7 +131,7 @@ class _SliceAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, keys, values, span: SliceSpan, scale):
         first = span.first_key
-        causal = span.start == 0 and not span.windowed
+        causal = span.causal
         mask = None if causal else span.mask(query.device, query.dtype)
         out, lse = _FLASH(query, keys[:, :, first:], values[:, :, first:], 0.0, causal, attn_mask=mask, scale=scale)
         ctx.save_for_backward(query, keys, values, out, lse)
@@ -147,7 +174,7 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
     span = attention_mask
     if getattr(span.source, "keys_only", False):  # kv_handoff: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
-    if cuda_path(query, key, span, dropout, kwargs):
+    if span.segments is None and cuda_path(query, key, span, dropout, kwargs):  # packed: the masked path below
         return slice_attention_cuda(query, key, value, span, scaling), None
     if fast_path(query, key, span, dropout, kwargs):
         out = _SliceAttention.apply(query, key, value, span, scaling)

@@ -22,6 +22,8 @@ class SliceContext:
     Set by the engine (``begin``) before the stage's layers run on a slice. What depends only on
     (start, length) - position ids, rotary (cos, sin), eager masks - is built once per plan and
     reused by every step (``per_plan``); what a slice's layers share, once per slice (``per_slice``).
+    A microbatch of packed examples (``segments``, from its ``SequenceKV``: ``model/segments.py``)
+    has its own positions and masks, so those are built once per slice instead.
     """
 
     PLAN_CACHE_ENTRIES = 4096            # cleared beyond this (e.g. the planner's profiling grid)
@@ -32,6 +34,7 @@ class SliceContext:
         self.start = 0
         self.length = 0
         self.cache: SliceCache | None = None
+        self.segments = None     # model.segments.Segments of the microbatch, or None (one sequence per row)
         self._per_slice: dict = {}
         self._per_plan: dict = {}
         self._mask_bytes = 0
@@ -40,6 +43,7 @@ class SliceContext:
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length
         self.cache = SliceCache(kv, start)
+        self.segments = kv.segments
         self._per_slice = {}
 
     def per_slice(self, key, make):
@@ -65,12 +69,21 @@ class SliceContext:
         return slice_embedding(embedding, ids, self.cache.kv if self.cache is not None else None, self.start)
 
     def positions(self, device) -> torch.Tensor:
-        """Position ids of the slice, shape (1, length): start .. start + length - 1."""
+        """Position ids of the slice, shape (1, length): start .. start + length - 1; with packed
+        examples (b, length), restarting at 0 at each example's first token."""
+        if self.segments is not None:
+            return self.segments.slice_positions(self.start, self.length).to(device)
         return torch.arange(self.start, self.start + self.length, device=device)[None]
 
     def plan_positions(self, device) -> torch.Tensor:
-        """``positions(device)``, built once per (start, length) (do not modify in place)."""
-        return self.per_plan(("positions", device), lambda: self.positions(device))
+        """``positions(device)``, built once per (start, length) (packed examples: once per slice; do
+        not modify in place)."""
+        return self._memo(("positions", device), lambda: self.positions(device))
+
+    def _memo(self, key, make):
+        """``per_plan`` for one sequence per row; ``per_slice`` for packed examples (their layout
+        changes with every microbatch)."""
+        return self.per_slice(key, make) if self.segments is not None else self.per_plan(key, make)
 
     def plan_or_slice(self, key, make, nbytes: int):
         """``make()`` (of ``nbytes``) kept per plan while the kept masks total at most
@@ -100,7 +113,8 @@ class SliceContext:
 
     def span(self, window: int | None = None) -> SliceSpan:
         """The ``attention_mask`` of a redirected SDPA block (``attention.SliceSpan``), one per slice."""
-        return self.per_slice(("span", window), lambda: SliceSpan(self.start, self.length, window, self))
+        return self.per_slice(("span", window), lambda: SliceSpan(self.start, self.length, window, self,
+                                                                  self.segments))
 
     def mask(self, hidden: torch.Tensor, window: int | None = None):
         """Attention mask tensor of this slice for the HF attention implementation in use (eager:
@@ -109,13 +123,23 @@ class SliceContext:
         ``window``: a sliding-window layer's size (query at p sees keys p - window < k <= p).
         """
         dtype = torch.bool if self.attn_implementation != "eager" else hidden.dtype
+        if self.segments is not None:  # (b, 1, length, start + length), by example
+            return self.per_slice(("mask", hidden.device, dtype, window), lambda: self._segment_mask(
+                hidden.device, dtype, window))
         size = self.length * (self.start + self.length) * torch.empty(0, dtype=dtype).element_size()
         return self.plan_or_slice(("mask", hidden.device, dtype, window), lambda: slice_attention_mask(
             self.start, self.length, hidden.device, dtype, window=window), size)
 
+    def _segment_mask(self, device, dtype, window):
+        allowed = self.segments.mask(self.start, self.length, device, window)
+        if dtype == torch.bool:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
     def rotary(self, rotary_emb: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of an HF rotary embedding module at this slice's positions, once per plan."""
-        return self.per_plan(("rotary", id(rotary_emb), hidden.device, hidden.dtype),
+        """(cos, sin) of an HF rotary embedding module at this slice's positions, once per plan
+        (packed examples: once per slice, (b, length, dim))."""
+        return self._memo(("rotary", id(rotary_emb), hidden.device, hidden.dtype),
                              lambda: rotary_emb(hidden, self.plan_positions(hidden.device)))
 
 

@@ -73,6 +73,9 @@ class SequenceKV:
     layers: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     # id(embedding weight) -> [(ids, output gradient)] of slices whose backward ran (embedding_grad.py)
     embedding_rows: dict[int, list] = field(default_factory=dict)
+    # packed examples (model/segments.Segments): positions restart and attention stops at each example's
+    # first token; None: one sequence per row
+    segments: object = None
 
     def tensors(self, layer_idx: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if layer_idx not in self.layers:

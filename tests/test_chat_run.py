@@ -1,0 +1,95 @@
+"""Chat fine-tuning end to end (launch/train.py on 2 ranks, started as the deepspeed launcher starts them,
+through multirank.run_ranks: the launcher's own start-up costs the suite 20-80 s on this machine), one run: a local Llama-style checkpoint (its tokenizer
+without a chat template, so ``--chat_template`` gives the project's default) fine-tuned with LoRA
+adapters (and the LM head trained in full) on a messages file made from this machine's stdlib
+docstrings (scripts/make_docstring_qa.py), 2 ranks, 2 stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
+
+Checks: the run packs by example; its validation loss on the answers falls; the last one equals HF +
+PEFT (the saved adapter on the base checkpoint) run on each validation example alone, over the
+assistant tokens (to the log's 4 decimals); the adapter is PEFT's.
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from multirank import run_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+TEMPLATE = os.path.join(REPO, "tp_trainer", "data", "default_chat_template.jinja")
+SEQ_LEN = 64
+
+
+def write_inputs(directory) -> dict:
+    """A 2-layer Llama-style checkpoint with the embedded BPE (its chat template removed), the messages
+    files, a 2-stage config of 2 x 2 sequences of 64 tokens per step."""
+    import make_docstring_qa
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tp_trainer.data import get_tokenizer
+    tokenizer = get_tokenizer(None, show_progress=False)
+    tokenizer.chat_template = None
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory / "base")
+    tokenizer.save_pretrained(directory / "base")
+    make_docstring_qa.write(str(directory / "qa"), "messages", every=8, limit=320)
+    ds = json.load(open(os.path.join(REPO, "ds_configs", "gpt2_tiny_cpu.json")))
+    ds.update(train_batch_size=4, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2,
+              pipeline={"stages": "auto"}, terapipe={"seq_len": SEQ_LEN, "slices": [24, 16, 16, 8], "schedule": "1f1b"})
+    ds["optimizer"]["params"]["lr"] = 1e-2
+    (directory / "ds.json").write_text(json.dumps(ds))
+    return {"base": str(directory / "base"), "qa": directory / "qa", "flags": [
+        "--deepspeed_config", str(directory / "ds.json"), "--model_name_or_path", str(directory / "base"),
+        "--train_file", str(directory / "qa" / "train.jsonl"), "--validation_file",
+        str(directory / "qa" / "validation.jsonl"), "--chat_template", TEMPLATE, "--lora_r", "4", "--lora_alpha", "8",
+        "--modules_to_save", "lm_head",
+        "--max_steps", "8", "--eval_interval", "8", "--eval_batches", "1", "--no_save_hf"]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("chat_run")
+    inputs = write_inputs(base)
+    outputs = run_ranks(os.path.join(REPO, "launch", "train.py"), 2, [*inputs["flags"], "--output_dir", str(base / "run")],
+                        timeout=600)
+    return {**inputs, "out": base / "run", "log": "\n".join(outputs)}
+
+
+def validation_losses(log: str) -> dict:
+    return {int(s): float(v) for s, v in re.findall(r"step (\d+) validation loss ([\d.]+)", log)}
+
+
+def test_chat_lora_run_learns_the_answers(run):
+    assert "packing examples" in run["log"] and "scored labels" in run["log"], run["log"][-3000:]
+    losses = validation_losses(run["log"])
+    assert sorted(losses) == [0, 8], losses
+    assert losses[8] < losses[0] - 0.05, losses
+    config = json.loads((run["out"] / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["base_model_name_or_path"]) == (4, run["base"])
+
+
+def test_validation_loss_equals_peft_on_each_example(run):
+    """The pipeline's last validation loss = HF + PEFT on each validation example alone, over the
+    assistant tokens of the evaluated blocks (packed_cases.hf_loss)."""
+    import packed_cases
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tp_trainer.data import DataArgs, build_lm_dataset
+    from tp_trainer.data.packing import step_batches
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run["base"], dtype=torch.float32),
+                                      str(run["out"] / "adapter")).eval()
+    args = DataArgs(train_file=str(run["qa"] / "train.jsonl"), validation_file=str(run["qa"] / "validation.jsonl"),
+                    block_size=SEQ_LEN, chat_template=TEMPLATE)
+    validation = build_lm_dataset(args, AutoTokenizer.from_pretrained(run["base"]), "validation")
+    batches = [batch for batch, _ in zip(step_batches(validation, 2, 2, 0, 1), range(2))]
+    with torch.no_grad():
+        expected = float(packed_cases.hf_loss(model, batches))
+    assert abs(validation_losses(run["log"])[8] - expected) <= 6e-5, (validation_losses(run["log"]), expected)
