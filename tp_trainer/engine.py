@@ -35,11 +35,10 @@ import time
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import ds_compat
 from .model.head_loss import HeadLossLabels, fuse_head_loss
-from .model.segments import Segments
+from .model.segments import MicrobatchLayouts
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import DeferredWeightGrads, defer_stage, weight_grads_in_b
 from .memory import ActivationTracker, current_rss_mb
@@ -101,6 +100,7 @@ class TeraPipeEngine(PipelineEngine):
         self._eval_programs: dict[int, Program] = {}   # microbatches -> forward-only program
         self.memory_budget = run_plan.memory_budget and {  # + what the built engine holds before any step
             **run_plan.memory_budget, "built_mb": current_rss_mb() - run_plan.memory_budget["baseline_mb"]}
+        self.layouts = MicrobatchLayouts()   # packed examples: where each starts, per microbatch
         self._reset_step_state()
 
     @property
@@ -159,10 +159,10 @@ class TeraPipeEngine(PipelineEngine):
         return self.agg_train_loss
 
     def _set_data(self, data_iter) -> None:
-        """DeepSpeed's ``set_dataiterator`` (first and last stage); a middle stage keeps the iterator too,
-        for the example layout of each microbatch (``_segments``)."""
+        """DeepSpeed's ``set_dataiterator`` (first and last stage); every stage keeps the iterator for
+        the example layout of each microbatch (``MicrobatchLayouts``)."""
         self.set_dataiterator(data_iter)
-        self._layout_iterator = data_iter
+        self.layouts.iterator = data_iter
 
     def step_loss(self, replica_loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss (this replica's mean; None elsewhere) averaged over the replicas and
@@ -227,7 +227,7 @@ class TeraPipeEngine(PipelineEngine):
 
     def _reset_step_state(self):
         self._batches = {}     # microbatch -> (input_ids, labels), both (b, seq_len), first/last stage
-        self._layouts = {}     # microbatch -> (positions (b, seq_len), loss divisor) of packed examples, or ()
+        self.layouts.by_microbatch = {}   # microbatch -> (positions (b, seq_len), loss divisor) or ()
         self._next_microbatch = 0
         self._kv = {}          # microbatch -> SequenceKV of this stage's attention layers
         self._inputs = {}      # (m, j) -> slice input: ids on the first stage, else received activation
@@ -251,27 +251,8 @@ class TeraPipeEngine(PipelineEngine):
 
     # ----------------------------------------------------------------------------- clipping
     def clip_fp32_gradients(self):
-        """Clip by the norm of the WHOLE model's gradient, as torch.nn.utils.clip_grad_norm_ would.
-
-        DeepSpeed's fp32 path sums squared norms over the tensor-parallel group only, so each
-        pipeline stage would clip by its own norm. Here the squares are summed over the stages,
-        with a tied weight counted on its first stage only, in float64 (``_squares``).
-        """
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        duplicates = {id(p) for p in ds_compat.tied_duplicate_weights(self.module, self.global_rank)}
-        squares = self._squares([p.grad for p in params if id(p) not in duplicates])
-        if self.is_pipe_parallel:
-            dist.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
-        norm = squares.sqrt()
-        clip_grads_with_norm_(params, self.gradient_clipping(), norm)  # grad *= min(clip / (norm + 1e-6), 1)
-        ds_compat.set_global_grad_norm(self, norm.item())
-
-    def _squares(self, grads) -> torch.Tensor:
-        """Sum of the squared entries of ``grads``, accumulated in float64 (a float32 sum over a
-        2M-entry embedding gradient is off by ~1e-5 relative; ZeRO-1's per-partition norms are not)."""
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return get_total_norm([torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads]).square()
+        """Clip by the norm of the WHOLE model's gradient, not one stage's (``ds_compat.clip_by_pipeline_norm``)."""
+        ds_compat.clip_by_pipeline_norm(self)
 
     # ----------------------------------------------------------------------------- handlers
     def _exec_load_slice(self, cmd: LoadSlice):
@@ -280,7 +261,8 @@ class TeraPipeEngine(PipelineEngine):
             if m != self._next_microbatch:
                 raise RuntimeError(f"{cmd}: microbatch {m} loaded out of order (expected {self._next_microbatch})")
             batch = next(self.data_iterator)   # DeepSpeed's data iterator, and its batch_fn if one is set
-            input_ids, labels, *self._layouts[m] = self.batch_fn(batch) if self.batch_fn else batch
+            input_ids, labels, *layout = self.batch_fn(batch) if self.batch_fn else batch
+            self.layouts.keep(m, layout)
             self._batches[m] = (to_device(input_ids, self.device), to_device(labels, self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
@@ -295,7 +277,12 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_forward_slice(self, cmd: ForwardSlice):
         m, j = cmd.microbatch, cmd.slice
         if m not in self._kv:
-            self._kv[m] = SequenceKV(self._seq_len, segments=self._segments(m))
+            if not (self.is_first_stage() or self.is_last_stage()):  # no LOAD here: read m's layout
+                if m != self._next_microbatch:
+                    raise RuntimeError(f"{cmd}: microbatch {m} forwarded out of order (expected {self._next_microbatch})")
+                self.layouts.read(m)
+                self._next_microbatch += 1
+            self._kv[m] = SequenceKV(self._seq_len, segments=self.layouts.segments(m, self.device))
         kv = self._kv[m]
         self.slice_context.begin(kv, self._offsets[j], self._slices[j])
         if self.head_loss is not None:
@@ -310,26 +297,13 @@ class TeraPipeEngine(PipelineEngine):
             del self._kv[m]  # no backward will need it
         if self.is_last_stage():
             labels = self._labels.pop((m, j))
-            divisor = self._layouts[m][1] if self._layouts.get(m) else self._tokens_per_microbatch
+            divisor = self.layouts.divisor(m, self._tokens_per_microbatch)
             loss = outputs / divisor if self.head_loss is not None else slice_loss(outputs, labels, divisor)
             self.fwd_outputs.append(loss.detach())   # train_batch / eval_batch sum them
             if training:
                 self._losses[(m, j)] = loss
         else:
             self._outputs[(m, j)] = outputs
-
-    def _segments(self, m: int) -> Segments | None:
-        """The example layout of microbatch ``m`` on this stage (None: one sequence per row). First and
-        last stage: what LOAD read; a middle stage reads the microbatch from its own iterator here, in
-        the same order (forwards start microbatches in order)."""
-        if not (self.is_first_stage() or self.is_last_stage()):
-            if m != self._next_microbatch:
-                raise RuntimeError(f"microbatch {m} forwarded out of order (expected {self._next_microbatch})")
-            batch = next(self._layout_iterator) if getattr(self, "_layout_iterator", None) is not None else ()
-            self._layouts[m] = list(batch[2:])
-            self._next_microbatch += 1
-        layout = self._layouts.get(m)
-        return Segments(layout[0], self.device) if layout else None
 
     # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
     # receive was posted when the previous one of its kind completed, or after the last send to the
@@ -425,7 +399,7 @@ class TeraPipeEngine(PipelineEngine):
         """
         micro = num_micro_batches or self.micro_batches
         train_iterator, was_training = self.data_iterator, self.module.training
-        train_layouts = getattr(self, "_layout_iterator", None)   # a middle stage's (``_set_data``)
+        train_layouts = self.layouts.iterator   # a middle stage's (``_set_data``)
         self._set_data(data_iter)
         self.module.eval()
         try:
@@ -437,5 +411,5 @@ class TeraPipeEngine(PipelineEngine):
             return self.step_loss(sum(self.fwd_outputs) / micro if self.is_last_stage() else None)
         finally:
             self.set_dataiterator(train_iterator)
-            self._layout_iterator = train_layouts
+            self.layouts.iterator = train_layouts
             self.module.train(was_training)

@@ -52,3 +52,33 @@ class Segments:
         if window is not None:
             allowed &= key > query - window
         return allowed[:, None]
+
+
+class MicrobatchLayouts:
+    """The example layout of each microbatch of a step: (positions (b, L), the loss divisor) from
+    ``data/examples.py``, or nothing for plain blocks. The first and last stage keep what LOAD read
+    (``keep``). DeepSpeed hands the data iterator to those two stages only, so a middle stage reads
+    each microbatch from its own reference to it (``iterator``) at the microbatch's first forward
+    (``read``), in order: every stage then knows the layout with no message between stages."""
+
+    def __init__(self):
+        self.iterator = None
+        self.by_microbatch: dict = {}
+
+    def keep(self, microbatch: int, extra) -> None:
+        """The batch's items after (input_ids, labels): (positions, divisor), or none."""
+        self.by_microbatch[microbatch] = tuple(extra)
+
+    def read(self, microbatch: int) -> None:
+        """A middle stage: the next batch of ``iterator`` is ``microbatch``'s (nothing without one)."""
+        batch = next(self.iterator) if self.iterator is not None else ()
+        self.keep(microbatch, batch[2:])
+
+    def segments(self, microbatch: int, device) -> Segments | None:
+        layout = self.by_microbatch.get(microbatch)
+        return Segments(layout[0], device) if layout else None
+
+    def divisor(self, microbatch: int, default):
+        """What the microbatch's slice losses are divided by: its packed divisor, else ``default``."""
+        layout = self.by_microbatch.get(microbatch)
+        return layout[1] if layout else default
