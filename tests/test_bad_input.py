@@ -37,7 +37,8 @@ def test_invalid_utf8_train_file(tmp_path, monkeypatch, caplog):
 def test_invalid_utf8_found_across_chunks(tmp_path):
     """The scan reads fixed-size chunks: a sequence split between chunks is fine, and the first bad
     byte is reported at the same offset and line whatever the chunk size."""
-    from tp_trainer.data.corpus import DataConfigError, _check_utf8_text
+    from tp_trainer.data.corpus import DataConfigError
+    from tp_trainer.data.files import _check_utf8_text
     good = "naïve ✓ 𝄞 text\n".encode() * 50
     path = tmp_path / "train.jsonl"
     path.write_bytes(good)

@@ -49,6 +49,24 @@ def pipeline_layers(model, impl):
     return layers, ctx
 
 
+def sliced_loss(layers, ctx, kv, input_ids, labels, slices, divisor) -> torch.Tensor:
+    """The pipeline layers run slice by slice (``slices`` lengths, the K/V store ``kv``), each slice's
+    summed cross-entropy / ``divisor``; backwards in reverse slice order. Returns the summed loss."""
+    losses, start = [], 0
+    for size in slices:
+        ctx.begin(kv, start, size)
+        hidden = input_ids[:, start:start + size]
+        for layer in layers:
+            hidden = layer(hidden)
+        window = labels[:, start:start + size]
+        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), window.flatten(), reduction="sum")
+                      / divisor)
+        start += size
+    for loss in reversed(losses):
+        loss.backward()
+    return sum(loss.detach() for loss in losses)
+
+
 FLOAT64_CASES = [("gpt_neo", "eager", True), ("opt", "sdpa", True), ("opt", "eager", False),
                  ("llama", "sdpa", False), ("llama", "eager", True), ("qwen2", "sdpa", False),
                  ("mistral", "eager", True)]
@@ -66,22 +84,11 @@ def test_float64_slices_equal_whole_sequence(family, impl, tied):
     model.zero_grad()
 
     layers, ctx = pipeline_layers(model, impl)
-    kv, losses, start = SequenceKV(16), [], 0
-    for size in fw.SLICES:
-        ctx.begin(kv, start, size)
-        hidden = ids[:, start:start + size]
-        for layer in layers:
-            hidden = layer(hidden)
-        window = labels[:, start:start + size]
-        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), window.flatten(), reduction="sum")
-                      / ids.numel())
-        start += size
-    for loss in reversed(losses):
-        loss.backward()
+    sliced = sliced_loss(layers, ctx, SequenceKV(16), ids, labels, fw.SLICES, ids.numel())
     # HF's eager attention computes the softmax in float32 even for a float64 model (GPT-Neo: also
     # q k^T): slices and the whole sequence then round differently at float32 level
     tol = 1e-12 if impl == "sdpa" else 1e-6
-    assert abs(float(sum(loss.detach() for loss in losses) - whole.detach())) < tol * float(whole.detach())
+    assert abs(float(sliced - whole.detach())) < tol * float(whole.detach())
     scale = max(float(g.abs().max()) for g in expected.values())
     for name, param in model.named_parameters():
         assert float((param.grad - expected[name]).abs().max()) < tol * scale, name

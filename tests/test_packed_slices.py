@@ -8,7 +8,7 @@ import families_worker as fw
 import packed_cases as pc
 import pytest
 import torch
-from test_families import pipeline_layers
+from test_families import pipeline_layers, sliced_loss
 
 from tp_trainer.model.segments import Segments
 from tp_trainer.model.slice_cache import SequenceKV
@@ -28,19 +28,8 @@ def family_model(family: str, impl: str):
 
 def pipeline_loss(model, impl, input_ids, labels, positions, count):
     layers, ctx = pipeline_layers(model, impl)
-    kv, losses, start = SequenceKV(pc.SEQ_LEN, segments=Segments(positions)), [], 0
-    for size in pc.SLICES:
-        ctx.begin(kv, start, size)
-        hidden = input_ids[:, start:start + size]
-        for layer in layers:
-            hidden = layer(hidden)
-        window = labels[:, start:start + size]
-        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), window.flatten(), reduction="sum")
-                      / count)
-        start += size
-    for loss in reversed(losses):
-        loss.backward()
-    return sum(loss.detach() for loss in losses)
+    kv = SequenceKV(pc.SEQ_LEN, segments=Segments(positions))
+    return sliced_loss(layers, ctx, kv, input_ids, labels, pc.SLICES, count)
 
 
 @pytest.mark.parametrize("family,impl", FAMILIES, ids=["-".join(c) for c in FAMILIES])

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from .checkpoint import layout_free
-from .config import ConfigError, pipeline_stages
+from .config import ConfigError, compute_dtype_name, pipeline_stages
 from .resume import MANIFEST, deepspeed_resumes, model_record, resolve_resume
 
 RESET_OPTIMIZER = "--reset_optimizer"
@@ -68,13 +68,9 @@ def check_resume(output_dir: str, resume: str, ds_config: dict, model_config_for
 def run_layout(ds_config: dict, world_size: int) -> dict:
     """This run's layout, as ``resume.current_layout`` records an engine's."""
     stages = pipeline_stages(ds_config, world_size)
-    precision = "bf16" if _enabled(ds_config, "bf16") else "fp16" if _enabled(ds_config, "fp16") else "fp32"
+    precision = compute_dtype_name(ds_config)
     return {"stages": stages, "replicas": world_size // stages,
             "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0), "precision": precision}
-
-
-def _enabled(ds_config: dict, key: str) -> bool:
-    return bool(ds_config.get(key, {}).get("enabled", False))
 
 
 def describe(layout: dict) -> str:

@@ -115,21 +115,25 @@ def full_state(engine, param) -> tuple[dict[str, torch.Tensor], dict[str, object
     from deepspeed.utils import safe_get_full_optimizer_state
     if _fp16_groups(engine.optimizer) is not None:
         holder, _, start = _fp16_master(engine, param)
-        state = base_optimizer(engine).state.get(holder, {})
-        shaped = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == holder.shape and v.dim())
-        scalars = {k: v for k, v in state.items() if k not in shaped and (not torch.is_tensor(v) or v.dim() == 0)}
+        state, shaped, scalars = _split_state(engine, holder)
         return {k: _view(state[k], start, param).detach().float().cpu() for k in shaped}, scalars
     holder, _ = _state_holder(engine, param)
     if holder is not param:
         ds_compat.link_optimizer_state(engine.optimizer)  # the fragment views (idempotent)
-    state = base_optimizer(engine).state.get(holder, {})
-    shaped = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == holder.shape and v.dim())
-    scalars = {k: v for k, v in state.items() if k not in shaped and (not torch.is_tensor(v) or v.dim() == 0)}
+    state, shaped, scalars = _split_state(engine, holder)
     if holder is param:
         tensors = {k: state[k].detach().float().cpu() for k in shaped}
     else:
         tensors = {k: safe_get_full_optimizer_state(param, k).detach().float().cpu() for k in shaped}
     return tensors, scalars
+
+
+def _split_state(engine, holder: torch.Tensor) -> tuple[dict, list[str], dict]:
+    """(the base optimizer's state of ``holder``, its keys of ``holder``'s shape, its scalars)."""
+    state = base_optimizer(engine).state.get(holder, {})
+    shaped = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == holder.shape and v.dim())
+    scalars = {k: v for k, v in state.items() if k not in shaped and (not torch.is_tensor(v) or v.dim() == 0)}
+    return state, shaped, scalars
 
 
 def set_weight(engine, param, value: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from typing import Optional
 import datasets
 
 from .errors import DataConfigError
-from .files import LOCAL_BUILDERS, _check_local_file, _check_utf8_text  # noqa: F401 (_check_utf8_text: tests)
+from .files import LOCAL_BUILDERS, _check_local_file
 
 SPLITS = ("train", "validation")
 DEFAULT_VALIDATION_FRACTION = 0.02  # every 50th stdlib file

@@ -88,11 +88,8 @@ class SliceSpan:
             return self._segment_mask(device, dtype)
 
         def make():
-            allowed = span_mask(self.start, self.length, device, self.window if self.windowed else None,
-                                self.first_key)
-            if dtype == torch.bool:
-                return allowed
-            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            return _in_dtype(span_mask(self.start, self.length, device, self.window if self.windowed else None,
+                                       self.first_key), dtype)
         source = self.source
         if source is None or (source.start, source.length) != (self.start, self.length):
             return make()
@@ -103,14 +100,18 @@ class SliceSpan:
     def _segment_mask(self, device, dtype):
         """``mask`` for packed examples: (b, 1, length, start + length - first_key), once per slice."""
         def make():
-            allowed = self.segments.mask(self.start, self.length, device, self.window, self.first_key)
-            if dtype == torch.bool:
-                return allowed
-            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            return _in_dtype(self.segments.mask(self.start, self.length, device, self.window, self.first_key), dtype)
         source = self.source
         if source is None or (source.start, source.length) != (self.start, self.length):
             return make()
         return source.per_slice(("span mask", self.window, dtype, device), make)
+
+
+def _in_dtype(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as is, or for a float dtype additive (0 where allowed, -inf elsewhere)."""
+    if dtype == torch.bool:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def span_mask(start: int, length: int, device, window: int | None = None, first_key: int = 0) -> torch.Tensor:
