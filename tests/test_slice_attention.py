@@ -56,6 +56,31 @@ def test_kernel_path_exact(heads, kv_heads, window, start, length):
         assert float((a - b).abs().max()) < 1e-13
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("start,length,dim", [(64, 32, 32), (0, 48, 32), (40, 160, 64)])
+def test_kernel_path_reduced_precision(dtype, start, length, dim):
+    """bf16 / fp16: the kernel path (computing in fp32 where ``_kernel_dtype`` says so, in the input
+    dtype above the threshold: 160 x 64 > 8192) is as close to float64 as torch's own SDPA in that dtype."""
+    torch.manual_seed(0)
+    q64 = torch.randn(1, length, 4, dim, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k64, v64 = (torch.randn(1, 2, start + length, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, length, 4, dim, dtype=torch.float64)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    expected = reference_attention(q64, k64, v64, start, None, dim ** -0.5)
+    want = torch.autograd.grad(expected, (q64, k64, v64), grad)
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q64, k64, v64))
+    out, _ = slice_attention_forward(module, q, k, v, SliceSpan(start, length), scaling=dim ** -0.5)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    mask = span_mask(start, length, "cpu")
+    stock = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    stock_grads = torch.autograd.grad(stock, (q, k, v), grad.to(dtype))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in got)
+    for mine, theirs, exact in zip((out, *got), (stock, *stock_grads), (expected, *want)):
+        error, stock_error = ((x.double() - exact).abs().max().item() for x in (mine, theirs))
+        assert error <= 1.5 * stock_error + 1e-6, (error, stock_error)
+
+
 def tiny(family: str, dtype=torch.float64):
     torch.manual_seed(0)
     if family == "gpt2":
