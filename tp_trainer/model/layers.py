@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .embedding_grad import slice_embedding
-from .attention import SliceSpan, redirect
-from .slice_cache import SequenceKV, SliceCache, slice_attention_mask
+from .attention import ATTN_NAME, SliceSpan, redirect
+from .slice_cache import FusedSliceCache, SequenceKV, SliceCache, slice_attention_mask
 
 
 class SliceContext:
@@ -207,10 +207,36 @@ class DecoderBlock(HFPart):
         self.cache_arg = cache_arg
         # SDPA attention modules dispatch to attention.slice_attention_forward, given a SliceSpan
         self.spans = ctx.attn_implementation != "eager" and redirect(inner)
+        self.fused = None   # fuse(): what runs the HF block with the fused K/V append + attention
+
+    def fuse(self, runner=None) -> None:
+        """Run plain causal slices through ``slice_op``'s fused K/V append + attention, the HF block
+        called by ``runner`` (e.g. ``torch.compile(self.inner, fullgraph=True)``; default the block
+        itself). Windows, packed examples and shared halves keep the default path."""
+        if not self.spans:
+            raise ValueError(f"{self.hf_name}: the fused slice op needs SDPA attention modules (got "
+                             f"{self.ctx.attn_implementation!r})")
+        self.kv_layout = attention_layout(self.inner)
+        self.fused = runner if runner is not None else self.inner
 
     def forward(self, hidden):
-        out = self.inner(hidden, **self.attention_kwargs(hidden))
+        ctx = self.ctx
+        if self.fused is not None and self.window is None and ctx.segments is None and not ctx.keys_only:
+            out = self.fused(hidden, **self.fused_kwargs(hidden))
+        else:
+            out = self.inner(hidden, **self.attention_kwargs(hidden))
         return out[0] if isinstance(out, tuple) else out
+
+    def fused_kwargs(self, hidden) -> dict:
+        """``attention_kwargs`` for the fused op: a cache that hands k, v on as they are, and the
+        layer's K/V buffers and accumulators (``slice_kv``, allocated here, outside any traced region)."""
+        kwargs = self.attention_kwargs(hidden)
+        ctx = self.ctx
+        kv = ctx.cache.kv
+        kwargs[self.cache_arg] = ctx.per_slice(("fused cache",), lambda: FusedSliceCache(kv, ctx.start))
+        layer_idx, heads, dim = self.kv_layout
+        kwargs["slice_kv"] = kv.allocate(layer_idx, hidden.shape[0], heads, dim, hidden.dtype, hidden.device)
+        return kwargs
 
     def attention_kwargs(self, hidden) -> dict:
         """What the HF block (and its attention module) takes besides ``hidden``: the slice cache,
@@ -223,6 +249,31 @@ class DecoderBlock(HFPart):
         if self.rotary is not None:
             kwargs["position_embeddings"] = ctx.rotary(self.rotary, hidden)
         return kwargs
+
+
+def attention_layout(block: nn.Module) -> tuple[int, int, int]:
+    """(layer_idx, K/V heads, head_dim) of the one redirected attention module in an HF ``block``."""
+    found = [m for m in block.modules() if getattr(getattr(m, "config", None), "_attn_implementation", None)
+             == ATTN_NAME and hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
+    if len(found) != 1:
+        raise ValueError(f"expected one attention module with layer_idx and head_dim, found {len(found)}")
+    module = found[0]
+    heads = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
+    return module.layer_idx, heads, module.head_dim
+
+
+def fuse_blocks(layers, backend: str | None = None) -> list:
+    """``DecoderBlock.fuse`` every SDPA decoder block of ``layers``; with ``backend`` (e.g. "inductor",
+    "aot_eager") each HF block runs under ``torch.compile(fullgraph=True)``. Returns the fused blocks.
+
+    The slice's start is read from the ``SliceSpan`` as an int: dynamo compiles it as a constant for
+    the first slice (start 0, the causal kernel without a mask) and, once a second start is seen, as
+    a symbolic size (automatic dynamic), so one graph serves every later start of a length; graphs
+    per block instance: (distinct lengths) x 2 at most."""
+    blocks = [layer for layer in layers if isinstance(layer, DecoderBlock) and layer.spans]
+    for block in blocks:
+        block.fuse(torch.compile(block.inner, backend=backend, fullgraph=True) if backend else None)
+    return blocks
 
 
 class OffsetPositions(HFPart):
