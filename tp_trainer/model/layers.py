@@ -220,12 +220,17 @@ class DecoderBlock(HFPart):
         self.fused = runner if runner is not None else self.inner
 
     def forward(self, hidden):
-        ctx = self.ctx
-        if self.fused is not None and self.window is None and ctx.segments is None and not ctx.keys_only:
+        if self.fused is not None and self.takes_fused():
             out = self.fused(hidden, **self.fused_kwargs(hidden))
         else:
             out = self.inner(hidden, **self.attention_kwargs(hidden))
         return out[0] if isinstance(out, tuple) else out
+
+    def takes_fused(self) -> bool:
+        """Whether the current slice can take the fused op: plain causal attention (no window, no packed
+        examples, not a shared half's K/V-only pass)."""
+        ctx = self.ctx
+        return self.window is None and ctx.segments is None and not ctx.keys_only
 
     def fused_kwargs(self, hidden) -> dict:
         """``attention_kwargs`` for the fused op: a cache that hands k, v on as they are, and the
@@ -262,18 +267,63 @@ def attention_layout(block: nn.Module) -> tuple[int, int, int]:
     return module.layer_idx, heads, module.head_dim
 
 
-def fuse_blocks(layers, backend: str | None = None) -> list:
-    """``DecoderBlock.fuse`` every SDPA decoder block of ``layers``; with ``backend`` (e.g. "inductor",
-    "aot_eager") each HF block runs under ``torch.compile(fullgraph=True)``. Returns the fused blocks.
+def _run_blocks(inners, hidden, kwargs_list):
+    """HF blocks in order on one slice: the region ``BlockRun`` compiles."""
+    for inner, kwargs in zip(inners, kwargs_list):
+        out = inner(hidden, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
 
-    The slice's start is read from the ``SliceSpan`` as an int: dynamo compiles it as a constant for
-    the first slice (start 0, the causal kernel without a mask) and, once a second start is seen, as
-    a symbolic size (automatic dynamic), so one graph serves every later start of a length; graphs
-    per block instance: (distinct lengths) x 2 at most."""
-    blocks = [layer for layer in layers if isinstance(layer, DecoderBlock) and layer.spans]
-    for block in blocks:
-        block.fuse(torch.compile(block.inner, backend=backend, fullgraph=True) if backend else None)
-    return blocks
+
+class BlockRun(nn.Module):
+    """Consecutive ``DecoderBlock``s of a stage as one layer whose slice forward is one compiled region.
+
+    Each compiled call costs the host a guard check, AOTAutograd's forward and backward wrappers and the
+    generated code's argument checks, about 200 us on a 2-core EPYC (benchmarks/host_overhead.py):
+    paid once per slice for the run instead of once per block. The blocks' arguments (``fused_kwargs``:
+    span, cache, K/V buffers, rotary tables) are prepared eagerly and passed in. A slice the fused op
+    does not take (``DecoderBlock.takes_fused``) runs the blocks one by one on the default path.
+    ``backend`` None: the same calls, not compiled.
+
+    Graphs: the slice's start is read from the ``SliceSpan`` as an int. Dynamo compiles it as a constant
+    for the first slice (start 0: the causal kernel, no mask) and, once a second start and length are
+    seen, as symbolic sizes (automatic dynamic): one more graph serves every later slice. Static
+    shapes per (start, length) would compile a graph per slice of the plan and soon reach dynamo's
+    recompile limit (8 per code object)."""
+
+    def __init__(self, blocks, backend: str | None = "inductor"):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        for block in blocks:
+            block.fuse()
+        self.run = torch.compile(_run_blocks, backend=backend, fullgraph=True) if backend else _run_blocks
+
+    def forward(self, hidden):
+        blocks = list(self.blocks)
+        if not all(block.takes_fused() for block in blocks):   # each block: default path (or fused, uncompiled)
+            for block in blocks:
+                hidden = block(hidden)
+            return hidden
+        return self.run([block.inner for block in blocks], hidden, [block.fused_kwargs(hidden) for block in blocks])
+
+    def region_args(self, hidden) -> tuple:
+        """The compiled region's arguments for ``hidden`` on the current slice (for ``torch._dynamo.explain``)."""
+        return [block.inner for block in self.blocks], hidden, [block.fused_kwargs(hidden) for block in self.blocks]
+
+
+def block_runs(layers, backend: str | None = "inductor") -> list:
+    """``layers`` with each run of consecutive SDPA ``DecoderBlock``s replaced by one ``BlockRun``."""
+    out, run = [], []
+    for layer in [*layers, None]:
+        if isinstance(layer, DecoderBlock) and layer.spans:
+            run.append(layer)
+            continue
+        if run:
+            out.append(BlockRun(run, backend))
+            run = []
+        if layer is not None:
+            out.append(layer)
+    return out
 
 
 class OffsetPositions(HFPart):

@@ -44,50 +44,67 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("tp::slice_attention", mutates_args=("keys", "values"), device_types="cpu")
-def slice_attention_op(query: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, start: int,
-                       first: int, mask: Optional[Tensor], scale: Optional[float]) -> tuple[Tensor, Tensor]:
-    stop = start + key.shape[2]
-    keys[:, :, start:stop].copy_(key)
-    values[:, :, start:stop].copy_(value)
+# Defined with torch.library's schema API rather than ``torch.library.custom_op``: the latter wraps every
+# call in Python layers (autograd, ADInplaceOrView, argument defaults, alias checks) that cost about as
+# much per slice as the ATen ops the fusion saves; here the dispatcher calls the CPU function directly.
+# (a!) marks the tensors an op writes: functionalization (torch.compile) sees the mutations.
+_LIB = torch.library.Library("tp", "DEF")
+_LIB.define("slice_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) keys, Tensor(b!) values, "
+            "SymInt start, SymInt first, Tensor? mask, float? scale) -> (Tensor, Tensor)")
+_LIB.define("slice_attention_backward(Tensor grad_out, Tensor query, Tensor keys, Tensor values, Tensor out, "
+            "Tensor lse, Tensor(a!) acc_k, Tensor(b!) acc_v, SymInt start, SymInt length, SymInt first, "
+            "Tensor? mask, float? scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _slice_attention(query: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, start: int,
+                     first: int, mask: Optional[Tensor], scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    length = key.shape[2]
+    keys.narrow(2, start, length).copy_(key)   # narrow: a view without Python's index parsing
+    values.narrow(2, start, length).copy_(value)
     if not query.transpose(1, 2).is_contiguous():  # the kernel's outputs follow the query's layout
         query = query.transpose(1, 2).contiguous().transpose(1, 2)
-    return _FLASH(query, keys[:, :, first:stop], values[:, :, first:stop], 0.0, mask is None, attn_mask=mask,
-                  scale=scale)
+    context = start + length - first
+    return _FLASH(query, keys.narrow(2, first, context), values.narrow(2, first, context), 0.0, mask is None,
+                  attn_mask=mask, scale=scale)
 
 
-@slice_attention_op.register_fake
+@torch.library.register_fake("tp::slice_attention", lib=_LIB)
 def _slice_attention_fake(query, key, value, keys, values, start, first, mask, scale):
     b, h, l, d = query.shape
     out = query.new_empty(b, l, h, d).transpose(1, 2)
     return out, query.new_empty(b, l, h, dtype=_lse_dtype(query.dtype)).transpose(1, 2)
 
 
-@torch.library.custom_op("tp::slice_attention_backward", mutates_args=("acc_k", "acc_v"), device_types="cpu")
-def slice_attention_backward_op(grad_out: Tensor, query: Tensor, keys: Tensor, values: Tensor, out: Tensor,
-                                lse: Tensor, acc_k: Tensor, acc_v: Tensor, start: int, length: int, first: int,
-                                mask: Optional[Tensor], scale: Optional[float]
-                                ) -> tuple[Tensor, Tensor, Tensor]:
-    stop = start + length
-    grad_q, grad_k, grad_v = _FLASH_BACKWARD(grad_out.contiguous(), query, keys[:, :, first:stop],
-                                             values[:, :, first:stop], out, lse, 0.0, mask is None,
+def _slice_attention_backward(grad_out: Tensor, query: Tensor, keys: Tensor, values: Tensor, out: Tensor,
+                              lse: Tensor, acc_k: Tensor, acc_v: Tensor, start: int, length: int, first: int,
+                              mask: Optional[Tensor], scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
+    context = start + length - first
+    grad_q, grad_k, grad_v = _FLASH_BACKWARD(grad_out.contiguous(), query, keys.narrow(2, first, context),
+                                             values.narrow(2, first, context), out, lse, 0.0, mask is None,
                                              attn_mask=mask, scale=scale)
     own = []
-    for grad, acc in ((grad_k, acc_k), (grad_v, acc_v)):  # grad covers keys [first, stop)
+    for grad, acc in ((grad_k, acc_k), (grad_v, acc_v)):  # grad: keys [first, start + length)
         if start > first:
-            acc[:, :, first:start].add_(grad[:, :, :start - first])
+            acc.narrow(2, first, start - first).add_(grad.narrow(2, 0, start - first))
         b, g, _, d = grad.shape   # contiguous (b, g, l, d), as the fake says
-        own.append(torch.add(grad[:, :, start - first:], acc[:, :, start:stop], out=grad.new_empty(b, g, length, d)))
+        own.append(torch.add(grad.narrow(2, start - first, length), acc.narrow(2, start, length),
+                             out=grad.new_empty(b, g, length, d)))
     if grad_q.stride() != query.stride():
         grad_q = torch.empty_like(query).copy_(grad_q)
     return grad_q, own[0], own[1]
 
 
-@slice_attention_backward_op.register_fake
+@torch.library.register_fake("tp::slice_attention_backward", lib=_LIB)
 def _slice_attention_backward_fake(grad_out, query, keys, values, out, lse, acc_k, acc_v, start, length, first,
                                    mask, scale):
     b, g, _, d = keys.shape
     return torch.empty_like(query), keys.new_empty(b, g, length, d), keys.new_empty(b, g, length, d)
+
+
+_LIB.impl("slice_attention", _slice_attention, "CPU")
+_LIB.impl("slice_attention_backward", _slice_attention_backward, "CPU")
+slice_attention_op = torch.ops.tp.slice_attention.default
+slice_attention_backward_op = torch.ops.tp.slice_attention_backward.default
 
 
 class _FusedSliceAttention(torch.autograd.Function):
