@@ -1,6 +1,6 @@
 """Host time per block and slice: the default eager slice path against the fused op compiled by inductor.
 
-    python benchmarks/host_overhead.py [--slices 16] [--reps 5] [--steps 20] [--json FILE]
+    python benchmarks/host_overhead.py [--slices 16] [--reps 5] [--steps 40] [--json FILE]
 
 Model: a tiny GPT-2 (width 32, 2 layers, 4 heads, seq 256, vocab 256, dropout 0), 1 thread. Its
 compute is negligible, so what a step costs is dispatch: Python, autograd and ATen's per-op
@@ -24,12 +24,14 @@ of ``--reps`` rounds; the figures are the median over rounds and their min-max.
     eager_ops_per_block_slice     ATen ops per block and slice on the default path, forward + backward
                                   (a ``TorchDispatchMode`` counting every op over one step: (N_S - N_1) / (S - 1) / 2)
     graph_breaks                  ``torch._dynamo.explain`` of the ``BlockRun`` region on a middle slice
+    compiled_to_eager             compiled / eager per round (the two take turns in each round), median and min-max
 Goal: compiled per-slice overhead at most a third of the eager one. Runs in ~2 min on 2 cores (compiling).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -86,11 +88,17 @@ def whole_step(net, x, grad) -> None:
 
 
 def step_time(step, steps: int) -> float:
-    """Thread CPU seconds of one call of ``step``, averaged over ``steps`` calls."""
-    begin = time.thread_time()
-    for _ in range(steps):
-        step()
-    return (time.thread_time() - begin) / steps
+    """Thread CPU seconds of one call of ``step``, averaged over ``steps`` calls (garbage collector off:
+    its pauses land on whichever path allocates more Python objects)."""
+    gc.collect()
+    gc.disable()
+    try:
+        begin = time.thread_time()
+        for _ in range(steps):
+            step()
+        return (time.thread_time() - begin) / steps
+    finally:
+        gc.enable()
 
 
 class _OpCount(TorchDispatchMode):
@@ -156,6 +164,7 @@ def measure(args) -> dict:
            "compiled_per_block_us_per_block_slice": statistics.median(rounds["compiled_per_block"]),
            "eager_ops_per_block_slice": (ops[S] - ops[1]) / (S - 1) / LAYERS,
            "graph_breaks": graph_breaks(run, run_ctx)}
+    out["compiled_to_eager"] = summary([c / e for c, e in zip(rounds["compiled"], rounds["eager"])])  # paired per round
     out["spread"] = {name: summary(values) for name, values in rounds.items()}
     out["settings"] = {"slices": S, "reps": args.reps, "steps": args.steps, "compile_s": round(compile_s, 1),
                        "load": os.getloadavg()[0], "torch": torch.__version__}
@@ -166,7 +175,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slices", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if SEQ % args.slices or args.slices < 2:
@@ -176,7 +185,8 @@ def main(argv=None) -> dict:
     print(f"HF block, whole sequence: {out['hf_us_per_block']:.0f} us; per block and slice: eager {eager:.1f} us "
           f"({out['eager_ops_per_block_slice']:.0f} ATen ops), compiled {compiled:.1f} us ({compiled / eager:.2f}x; "
           f"goal <= 0.33x), a region per block {out['compiled_per_block_us_per_block_slice']:.1f} us; "
-          f"graph breaks {out['graph_breaks']}; load {out['settings']['load']:.2f}")
+          f"paired ratio {out['compiled_to_eager']['median']:.2f}; graph breaks {out['graph_breaks']}; "
+          f"load {out['settings']['load']:.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(out, handle, indent=1)

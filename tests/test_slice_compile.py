@@ -11,7 +11,8 @@
    op without compiling, in float64.
 3. Compiles: 2 graphs per model and dtype for the one region of both blocks (start 0 with the causal
    kernel; then start and length symbolic), none in the second step.
-4. The gradient reaches earlier slices' K/V: after the last slice's backward alone, the sequence's
+4. The ops' schemas (declared mutations) and fake kernels (``torch.library.opcheck``).
+5. The gradient reaches earlier slices' K/V: after the last slice's backward alone, the sequence's
    accumulators hold the same context gradient as the default path's, and nothing past its start.
 Compiled once per model (module-scoped fixture); the module takes ~30 s on 2 shared cores.
 """
@@ -156,3 +157,19 @@ def test_fused_op_refuses_other_masks():
     buffers = tuple(torch.zeros(1, 2, 8, 8) for _ in range(4))
     with pytest.raises(NotImplementedError, match="plain causal"):
         attention.fused_attention(torch.nn.Module(), q, k, k, SliceSpan(4, 2, window=3), buffers, 0.0, None, {})
+
+
+def test_op_schema_and_fake():
+    """torch.library.opcheck: the declared mutations, the fake kernels' shapes and strides, AOT dispatch."""
+    from tp_trainer.model.attention import _in_dtype, span_mask
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 4, 8).transpose(1, 2)
+    k, v = (torch.randn(2, 3, 2, 8).transpose(1, 2) for _ in range(2))
+    keys, values, acc_k, acc_v = (torch.zeros(2, 2, 10, 8) for _ in range(4))
+    mask = _in_dtype(span_mask(4, 3, "cpu"), torch.float32)
+    checks = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
+    args = (q, k, v, keys, values, 4, 0, mask, None)
+    torch.library.opcheck(torch.ops.tp.slice_attention.default, args, test_utils=checks)
+    out, lse = torch.ops.tp.slice_attention.default(*args)
+    args = (torch.randn_like(out), q, keys, values, out, lse, acc_k, acc_v, 4, 3, 0, mask, None)
+    torch.library.opcheck(torch.ops.tp.slice_attention_backward.default, args, test_utils=checks)

@@ -28,6 +28,8 @@ attention modules of the pipeline's decoder blocks dispatch to it (``redirect``)
 ``SliceSpan`` it takes this path on CPU without dropout, softcap or position bias; otherwise it
 gives HF's SDPA function the slice's boolean mask over the keys a sliding window can see. Any
 other mask (a whole-sequence HF run through the same modules) goes to HF's SDPA function unchanged.
+Given ``slice_kv`` (the layer's K/V buffers, passed by a fused ``DecoderBlock``), it is the compilable
+path instead: ``fused_attention`` appends and attends in ``slice_op``'s one op.
 """
 
 from __future__ import annotations

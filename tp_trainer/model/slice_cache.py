@@ -20,6 +20,10 @@ Because backward runs slices of a sequence in reverse order, when slice j's back
 The returned view gets a fresh autograd version counter (``Tensor.set_`` on the storage), so
 writing the next slice into [c+l, ...) does not invalidate tensors saved for backward: the region
 they read never changes within a training step.
+
+``Tensor.set_`` cannot be traced by ``torch.compile``. The compilable path (``slice_op``, opt-in through
+``layers.BlockRun``) gives the blocks a ``FusedSliceCache`` instead, whose ``update`` hands k, v on
+unchanged: the attention op itself writes them into the buffers.
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ class _AppendKV(torch.autograd.Function):
 class SequenceKV:
     """K/V buffers and their gradient accumulators for one microbatch on one stage.
 
-    ``seq_len`` is the full sequence length L; buffers are allocated lazily per layer on the
-    first write, with the shape (b, heads, L, head_dim) taken from the first slice's keys.
+    ``seq_len`` is the full sequence length L; buffers are allocated per layer on the first write,
+    with the shape (b, heads, L, head_dim) taken from the first slice's keys, or before the slice runs
+    (``allocate``: the fused, compilable path of ``slice_op``).
     Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
     """
 
