@@ -279,8 +279,8 @@ class BlockRun(nn.Module):
     """Consecutive ``DecoderBlock``s of a stage as one layer whose slice forward is one compiled region.
 
     Each compiled call costs the host a guard check, AOTAutograd's forward and backward wrappers and the
-    generated code's argument checks, about 200 us on a 2-core EPYC (benchmarks/host_overhead.py):
-    paid once per slice for the run instead of once per block. The blocks' arguments (``fused_kwargs``:
+    generated code's argument checks, about 200 us on a 2-core EPYC (benchmarks/host_overhead.py, one
+    region per block against one for both): paid once per slice for the run instead of once per block. The blocks' arguments (``fused_kwargs``:
     span, cache, K/V buffers, rotary tables) are prepared eagerly and passed in. A slice the fused op
     does not take (``DecoderBlock.takes_fused``) runs the blocks one by one on the default path.
     ``backend`` None: the same calls, not compiled.
@@ -304,7 +304,7 @@ class BlockRun(nn.Module):
             for block in blocks:
                 hidden = block(hidden)
             return hidden
-        return self.run([block.inner for block in blocks], hidden, [block.fused_kwargs(hidden) for block in blocks])
+        return self.run(*self.region_args(hidden))
 
     def region_args(self, hidden) -> tuple:
         """The compiled region's arguments for ``hidden`` on the current slice (for ``torch._dynamo.explain``)."""

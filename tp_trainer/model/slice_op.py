@@ -2,11 +2,11 @@
 
 The default slice path (``slice_cache._AppendKV`` then ``attention._SliceAttention``) gives each K/V view
 of the sequence buffer its own version counter with ``Tensor.set_``; dynamo cannot trace that and
-breaks the graph there (5 breaks per block). Here the append and the attention are one step:
+breaks the graph there. Here the append and the attention are one step:
 
     tp::slice_attention(query, key, value, keys!, values!, start, first, mask, scale) -> (out, lse)
         writes this slice's key, value (b, g, l, d) into the sequence buffers keys, values
-        (b, g, L, d) at [start, start + l) (declared mutated: ``mutates_args``), then ATen's CPU
+        (b, g, L, d) at [start, start + l) (declared mutated: ``Tensor(a!)`` in the schema), then ATen's CPU
         flash kernel over keys / values [first, start + l) (g may divide the h query heads: no repeat).
         out (b, h, l, d) in the layout the kernel gives for HF's query layout (b, l, h, d); lse (b, h, l).
     tp::slice_attention_backward(grad_out, query, keys, values, out, lse, acc_k!, acc_v!, start, first,
@@ -21,7 +21,7 @@ breaks the graph there (5 breaks per block). Here the append and the attention a
 backward, the backward op. The buffers and accumulators reach the backward as ``ctx`` attributes,
 not ``save_for_backward``: later slices write into the same buffers (outside [first, start + l),
 which the backward reads), and a saved tensor's version check would refuse that. Under
-``torch.compile`` AOTAutograd functionalizes both mutations (inductor writes in place again).
+``torch.compile`` AOTAutograd functionalizes both mutations, the backward's too (it writes forward inputs).
 
 Buffers are allocated before the traced region runs (``SequenceKV.allocate``, called by the
 ``DecoderBlock`` eagerly): a tensor created inside the region and kept in Python state would leave it.
