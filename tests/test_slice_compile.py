@@ -14,6 +14,8 @@
 4. The ops' schemas (declared mutations) and fake kernels (``torch.library.opcheck``).
 5. The gradient reaches earlier slices' K/V: after the last slice's backward alone, the sequence's
    accumulators hold the same context gradient as the default path's, and nothing past its start.
+6. A block the fused op does not take (a window here; packed examples alike) runs on the default path
+   inside a ``BlockRun``, the others fused; ``fused_attention`` refuses such a span with a clear message.
 Compiled once per model (module-scoped fixture); the module takes ~25 s on 2 cores.
 """
 
@@ -174,3 +176,29 @@ def test_op_schema_and_fake():
     out, lse = torch.ops.tp.slice_attention.default(*args)
     args = (torch.randn_like(out), q, keys, values, out, lse, acc_k, acc_v, 4, 3, 0, mask, None)
     torch.library.opcheck(torch.ops.tp.slice_attention_backward.default, args, test_utils=checks)
+
+
+def test_other_masks_take_the_default_path():
+    """A window on a block (or packed examples) sends the slice through the blocks one by one, on the
+    default path for that block: same output as without fusing, K/V written by ``_AppendKV``."""
+    from unittest import mock
+
+    from tp_trainer.model import slice_op
+    net = tiny("llama")
+    ids = torch.randint(0, 64, (2, 8))
+    outputs = []
+    for fuse in (False, True):
+        layers, ctx = pipeline_layers(copy.deepcopy(net))
+        if fuse:
+            layers = block_runs(layers, None)
+            layers[1].blocks[0].window = 8   # a window as long as the sequence: same attention, not fusable
+        kv = SequenceKV(8)
+        with mock.patch.object(slice_op._FusedSliceAttention, "apply", wraps=slice_op._FusedSliceAttention.apply) as op:
+            for start in (0, 4):
+                ctx.begin(kv, start, 4)
+                hidden = ids[:, start:start + 4]
+                for layer in layers:
+                    hidden = layer(hidden)
+                outputs.append(hidden)
+        assert op.call_count == (2 if fuse else 0)   # block 1 fused in both slices; block 0 never
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(outputs[:2], outputs[2:]))
