@@ -20,6 +20,10 @@ Because backward runs slices of a sequence in reverse order, when slice j's back
 The returned view gets a fresh autograd version counter (``Tensor.set_`` on the storage), so
 writing the next slice into [c+l, ...) does not invalidate tensors saved for backward: the region
 they read never changes within a training step.
+
+``Tensor.set_`` cannot be traced by ``torch.compile``. The compilable path (``slice_op``, opt-in through
+``layers.BlockRun``) gives the blocks a ``FusedSliceCache`` instead, whose ``update`` hands k, v on
+unchanged: the attention op itself writes them into the buffers.
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ class _AppendKV(torch.autograd.Function):
 class SequenceKV:
     """K/V buffers and their gradient accumulators for one microbatch on one stage.
 
-    ``seq_len`` is the full sequence length L; buffers are allocated lazily per layer on the
-    first write, with the shape (b, heads, L, head_dim) taken from the first slice's keys.
+    ``seq_len`` is the full sequence length L; buffers are allocated per layer on the first write,
+    with the shape (b, heads, L, head_dim) taken from the first slice's keys, or before the slice runs
+    (``allocate``: the fused, compilable path of ``slice_op``).
     Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
     """
 
@@ -78,14 +83,21 @@ class SequenceKV:
     segments: object = None
 
     def tensors(self, layer_idx: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(keys, values, acc_k, acc_v) of the layer, allocated now if absent with (b, heads, _, dim)
+        of ``like`` (a slice's k)."""
         if layer_idx not in self.layers:
             if like is None:
                 raise KeyError(f"layer {layer_idx} has no K/V yet: backward before forward?")
             b, heads, _, dim = like.shape
-            shape = (b, heads, self.seq_len, dim)
-            keys = torch.empty(shape, dtype=like.dtype, device=like.device)
-            values = torch.empty_like(keys)
-            self.layers[layer_idx] = (keys, values, torch.zeros_like(keys), torch.zeros_like(keys))
+            self.allocate(layer_idx, b, heads, dim, like.dtype, like.device)
+        return self.layers[layer_idx]
+
+    def allocate(self, layer_idx: int, batch: int, heads: int, dim: int, dtype, device) -> tuple[torch.Tensor, ...]:
+        """The layer's buffers (b, heads, L, dim), allocated before a slice runs if absent (the fused
+        op of ``slice_op`` needs them as inputs; a traced region must not create them)."""
+        if layer_idx not in self.layers:
+            keys = torch.empty((batch, heads, self.seq_len, dim), dtype=dtype, device=device)
+            self.layers[layer_idx] = (keys, torch.empty_like(keys), torch.zeros_like(keys), torch.zeros_like(keys))
         return self.layers[layer_idx]
 
     def write(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, start: int) -> int:
@@ -119,6 +131,15 @@ class SliceCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+class FusedSliceCache(SliceCache):
+    """The cache of a block whose attention appends K/V itself (``slice_op``): ``update`` returns this
+    slice's k, v (b, heads, l, head_dim) as they are; ``attention.slice_attention_forward`` writes
+    them into the buffers the block passes as ``slice_kv``."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
 
 
 def slice_attention_mask(start: int, length: int, device, dtype=torch.bool, window: int | None = None):
