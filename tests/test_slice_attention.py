@@ -108,19 +108,20 @@ def pipeline_layers(net):
     return layers, ctx
 
 
-def sliced(layers, ctx, ids, labels, slices, seq_len):
-    """Sum of the slices' losses (each over the whole batch's tokens), backward in reverse order."""
-    kv, losses, start = SequenceKV(seq_len), [], 0
-    for size in slices:
+def sliced(layers, ctx, ids, labels, slices, seq_len, kv=None, backward_from: int = 0):
+    """Sum of the slices' losses (each over the whole batch's tokens), backward in reverse order down to
+    slice ``backward_from``; ``kv``: the sequence's K/V store (default a new one)."""
+    kv = SequenceKV(seq_len) if kv is None else kv
+    starts = [sum(slices[:j]) for j in range(len(slices))]
+    losses = []
+    for start, size in zip(starts, slices):
         ctx.begin(kv, start, size)
         hidden = ids[:, start:start + size]
         for layer in layers:
             hidden = layer(hidden)
         losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), labels[:, start:start + size].flatten(),
                                                         reduction="sum") / ids.numel())
-        start += size
-    for j in reversed(range(len(slices))):
-        starts = [sum(slices[:i]) for i in range(len(slices))]
+    for j in reversed(range(backward_from, len(slices))):
         ctx.begin(kv, starts[j], slices[j])
         losses[j].backward()
     return sum(loss.detach() for loss in losses)

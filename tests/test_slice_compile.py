@@ -24,7 +24,7 @@ import copy
 import pipeline_harness as ph
 import pytest
 import torch
-from test_slice_attention import pipeline_layers, tiny
+from test_slice_attention import pipeline_layers, sliced, tiny
 
 from tp_trainer.model import attention
 from tp_trainer.model.attention import SliceSpan
@@ -40,20 +40,8 @@ RUNS = {"gpt2": [(torch.float64, "compiled"), (torch.float64, "eager")],
 
 
 def run_slices(layers, ctx, ids, labels, kv, backward_from: int = 0):
-    """Forward every slice, then backward slices len-1 .. ``backward_from``; the summed loss (mean CE)."""
-    starts = [sum(SLICES[:j]) for j in range(len(SLICES))]
-    losses = []
-    for start, size in zip(starts, SLICES):
-        ctx.begin(kv, start, size)
-        hidden = ids[:, start:start + size]
-        for layer in layers:
-            hidden = layer(hidden)
-        losses.append(torch.nn.functional.cross_entropy(hidden.flatten(0, 1), labels[:, start:start + size].flatten(),
-                                                        reduction="sum") / ids.numel())
-    for j in reversed(range(backward_from, len(SLICES))):
-        ctx.begin(kv, starts[j], SLICES[j])
-        losses[j].backward()
-    return sum(loss.detach() for loss in losses)
+    """Forward every slice of SLICES, then backward slices len-1 .. ``backward_from``; the summed loss."""
+    return sliced(layers, ctx, ids, labels, SLICES, SEQ, kv, backward_from)
 
 
 def result(net, loss) -> dict:
