@@ -280,8 +280,9 @@ class BlockRun(nn.Module):
 
     Each compiled call costs the host a guard check, AOTAutograd's forward and backward wrappers and the
     generated code's argument checks, about 200 us on a 2-core EPYC (benchmarks/host_overhead.py, one
-    region per block against one for both): paid once per slice for the run instead of once per block. The blocks' arguments (``fused_kwargs``:
-    span, cache, K/V buffers, rotary tables) are prepared eagerly and passed in. A slice the fused op
+    region per block against one for both): paid once per slice for the run instead of once per block.
+    The blocks' arguments (``fused_kwargs``: span, cache, K/V buffers, rotary tables) are prepared
+    eagerly and passed in. A slice the fused op
     does not take (``DecoderBlock.takes_fused``) runs the blocks one by one on the default path.
     ``backend`` None: the same calls, not compiled.
 

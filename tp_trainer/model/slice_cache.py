@@ -55,13 +55,21 @@ class _AppendKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
         _, _, acc_k, acc_v = ctx.kv.tensors(ctx.layer_idx)
-        start, stop = ctx.start, ctx.stop
-        grads = []
-        for grad, acc in ((grad_keys, acc_k), (grad_values, acc_v)):
-            if start > 0:  # gradient for earlier slices: their backward comes later
-                acc[:, :, :start].add_(grad[:, :, :start])
-            grads.append(grad[:, :, start:stop] + acc[:, :, start:stop])
-        return grads[0], grads[1], None, None, None
+        length = ctx.stop - ctx.start
+        return (fold_kv_grad(grad_keys, acc_k, ctx.start, length), fold_kv_grad(grad_values, acc_v, ctx.start, length),
+                None, None, None)
+
+
+def fold_kv_grad(grad: torch.Tensor, acc: torch.Tensor, start: int, length: int, first: int = 0) -> torch.Tensor:
+    """The gradient of the K (or V) of keys [first, start + length), (b, g, start + length - first, d), as
+    slice [start, start + length)'s backward makes it: the earlier slices' part [first, start) is added into
+    the sequence's accumulator ``acc`` (b, g, L, d) (their backward comes later); returned, (b, g, length, d)
+    contiguous: the slice's own part plus what later slices (whose backward ran first) added there."""
+    if start > first:
+        acc.narrow(2, first, start - first).add_(grad.narrow(2, 0, start - first))
+    b, g, _, d = grad.shape
+    return torch.add(grad.narrow(2, start - first, length), acc.narrow(2, start, length),
+                     out=grad.new_empty(b, g, length, d))
 
 
 @dataclass
@@ -89,7 +97,7 @@ class SequenceKV:
             if like is None:
                 raise KeyError(f"layer {layer_idx} has no K/V yet: backward before forward?")
             b, heads, _, dim = like.shape
-            self.allocate(layer_idx, b, heads, dim, like.dtype, like.device)
+            return self.allocate(layer_idx, b, heads, dim, like.dtype, like.device)
         return self.layers[layer_idx]
 
     def allocate(self, layer_idx: int, batch: int, heads: int, dim: int, dtype, device) -> tuple[torch.Tensor, ...]:

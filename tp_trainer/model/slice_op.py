@@ -36,6 +36,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .slice_cache import fold_kv_grad
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -82,16 +84,10 @@ def _slice_attention_backward(grad_out: Tensor, query: Tensor, keys: Tensor, val
     grad_q, grad_k, grad_v = _FLASH_BACKWARD(grad_out.contiguous(), query, keys.narrow(2, first, context),
                                              values.narrow(2, first, context), out, lse, 0.0, mask is None,
                                              attn_mask=mask, scale=scale)
-    own = []
-    for grad, acc in ((grad_k, acc_k), (grad_v, acc_v)):  # grad: keys [first, start + length)
-        if start > first:
-            acc.narrow(2, first, start - first).add_(grad.narrow(2, 0, start - first))
-        b, g, _, d = grad.shape   # contiguous (b, g, l, d), as the fake says
-        own.append(torch.add(grad.narrow(2, start - first, length), acc.narrow(2, start, length),
-                             out=grad.new_empty(b, g, length, d)))
     if grad_q.stride() != query.stride():
         grad_q = torch.empty_like(query).copy_(grad_q)
-    return grad_q, own[0], own[1]
+    return (grad_q, fold_kv_grad(grad_k, acc_k, start, length, first),   # contiguous (b, g, l, d), as the fake says
+            fold_kv_grad(grad_v, acc_v, start, length, first))
 
 
 @torch.library.register_fake("tp::slice_attention_backward", lib=_LIB)
