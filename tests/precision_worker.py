@@ -131,10 +131,34 @@ def loss_scale_of(engine) -> float | None:
     return w.loss_scale(engine)
 
 
+def shared_memory_sums() -> dict:
+    """Per half dtype: whether ``ds_compat.shared_memory_reduce`` takes DeepSpeed's shared-memory kernel
+    for a sum of the 2 ranks (the launch sets LOCAL_SIZE as DeepSpeed's launcher does), whether the op is
+    loaded, and whether the kernel's sum equals gloo's bit for bit. The values span 2^-24 .. 2^24 (sums
+    that round) and their count is odd (the kernel's vector loop and its scalar remainder)."""
+    from deepspeed import comm as dist
+    from tp_trainer.ds_compat import shared_memory_reduce
+    gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    values = torch.randn(100_003, generator=gen) * 2.0 ** torch.randint(-24, 25, (100_003,), generator=gen)
+    loaded = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        x = values.clamp(-6e4, 6e4).to(dtype)   # fp16: finite inputs
+        used = shared_memory_reduce(None, x)
+        by_gloo, by_kernel = x.clone(), x.clone()
+        dist.all_reduce(by_gloo)
+        if used:
+            dist.inference_all_reduce(by_kernel)
+        out[str(dtype)] = {"shared_memory": used, "op_loaded": loaded,
+                           "equal_to_gloo": bool(torch.equal(by_gloo, by_kernel)) if used else None}
+    return out
+
+
 def main() -> None:
     from tp_trainer.failures import leave
     allow_fp16_on_the_cpu()
     result = {"fp32": run("fp32"), "fp16": run("fp16"), "fp16_unscaled": run("fp16", scale_fix=False)}
+    result["shared_memory"] = shared_memory_sums()
     out = f"{sys.argv[1]}.rank{os.environ['RANK']}"
     with open(out, "w", encoding="utf-8") as handle:
         json.dump(result, handle)

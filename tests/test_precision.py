@@ -17,6 +17,8 @@
 3. Resume in bf16 and fp16 (tests/precision_resume.py): a 2-stage run's checkpoint continued on
    other layouts follows the unbroken run within the precision's noise; bf16 without ZeRO on its own
    layout, bit for bit.
+4. The tied bf16 / fp16 sums through DeepSpeed's shared-memory all-reduce (the launch sets LOCAL_SIZE as
+   its launcher does): taken only on a CPU with AVX-512BW, and then equal to gloo's sums bit for bit.
 """
 
 import json
@@ -39,7 +41,9 @@ NOISE_FACTOR = 3.0
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("precision") / "result"
-    run_ranks(__file__.replace("test_precision.py", "precision_worker.py"), 2, [str(out)], timeout=900)
+    # LOCAL_SIZE as DeepSpeed's launcher sets it: the tied sums may take its shared-memory all-reduce
+    run_ranks(__file__.replace("test_precision.py", "precision_worker.py"), 2, [str(out)], timeout=900,
+              env={"LOCAL_SIZE": "2"})
     return out
 
 
@@ -68,6 +72,17 @@ def exact_grads(name: str) -> dict:
     """Step 0's gradients of the float64 HF model at the case's rounded start weights."""
     case = pc.case(name)
     return harness.reference(pc.start_weights(name), lambda step: ec.batches(case, step), 1)["grads"]
+
+
+def test_half_sums_take_shared_memory_only_with_avx512bw_and_equal_gloo(runs):
+    """bf16 / fp16 tied sums: DeepSpeed's shared-memory kernel (AVX-512BW code) where the CPU has
+    AVX-512BW and the op loaded, gloo elsewhere; where taken, its sum of 2 ranks is gloo's bit for bit."""
+    from tp_trainer.ds_compat import _cpu_has_avx512bw
+    for by_rank in runs:
+        for dtype, record in by_rank["shared_memory"].items():
+            assert record["shared_memory"] == (record["op_loaded"] and _cpu_has_avx512bw()), (dtype, record)
+            if record["shared_memory"]:
+                assert record["equal_to_gloo"], f"{dtype}: the shared-memory sum differs from gloo's"
 
 
 def test_fp16_sees_the_true_gradient_norm(runs):
