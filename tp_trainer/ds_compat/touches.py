@@ -86,14 +86,15 @@ TOUCHES = (
           "mirror must follow.", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",),
           source=(("_exec_reduce_tied_grads", ("grad = weight._hp_grad if self.using_bf16_optimizer else weight.grad",
                                                "dist.all_reduce(grad, group=group)")),)),
-    Touch("deepspeed.comm.torch:TorchBackend", "inference_all_reduce", "reduce_tied_grads sums a tied fp32 gradient "
-          "with DeepSpeed's CPU shared-memory kernel (ds_compat.shared_memory_reduce), which reduces over "
-          "every rank whatever the group: used only where the group is the whole world. Its C++ side "
+    Touch("deepspeed.comm.torch:TorchBackend", "inference_all_reduce", "reduce_tied_grads sums a tied gradient "
+          "(fp32; bf16 / fp16 on CPUs with AVX-512BW, which their code needs) with DeepSpeed's CPU shared-memory "
+          "kernel (ds_compat.shared_memory_reduce), which reduces over every rank whatever the group: used "
+          "only where the group is the whole world. Its C++ side "
           "(shm_interface.cpp: buffers mapped only where LOCAL_SIZE equals the world size; dtypes other than "
           "fp32 / bf16 / fp16 left unreduced) cannot be read from Python: the guard encodes it.",
           "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self", "tensor", "op"),
           source=(("inference_all_reduce", ("return torch.ops.deepspeed.inference_all_reduce_(tensor)",)),)),
-    Touch(BF16, "_hp_grad", "reduce_tied_grads sums a tied weight's fp32 gradient under the bf16 optimizer, as "
+    Touch(BF16, "_hp_grad", "reduce_tied_grads sums a tied weight's gradient buffer under the bf16 optimizer, as "
           "_exec_reduce_tied_grads does.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
           instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
     Touch(PIPE_ENGINE, "using_bf16_optimizer", "Set in __init__ when DeepSpeed wrapped the optimizer in "
