@@ -169,6 +169,23 @@ def timed(run, repeats: int, device) -> float:
     return statistics.median(times)
 
 
+def fold_ms(params, device, repeats: int) -> float:
+    """What DeepSpeed's pipeline with its BF16_Optimizer does around every backward (every slice and
+    microbatch when sliced; tp_trainer folds each gradient as it is made instead: ds_compat/grad_fold.py),
+    on the block set's parameters, mirrored from DeepSpeed 0.19.8's bf16_optimizer.py: ``clear_lp_grads``
+    (``torch._foreach_zero_`` of every ``.grad``) and ``update_hp_grads`` (each ``.grad`` added into its
+    gradient buffer, ``hp.add_(lp.grad.to(hp.dtype).view(hp.shape))``; buffers in the model's dtype,
+    DeepSpeed's default). Median ms of the two passes."""
+    grads = [torch.ones_like(p) for p in params]
+    buffers = [torch.zeros_like(p) for p in params]
+
+    def passes():
+        torch._foreach_zero_(grads)
+        for hp, grad in zip(buffers, grads):
+            hp.add_(grad.to(hp.dtype).view(hp.shape))
+    return timed(passes, repeats, device)
+
+
 def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     """The slice_cost records of one block set, the captured per-slice samples and its whole times."""
     family, hidden, heads, kv_heads, inter, blocks, seq_len = spec
@@ -184,6 +201,9 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     def whole_step():
         whole(x_leaf).backward(gy)
     whole_hf = timed(whole_step, repeats, device)
+    fold = fold_ms(params, device, repeats)
+    log(f"{label}: DeepSpeed's per-backward clear + fold over its {sum(p.numel() for p in params) / 1e6:.1f} M "
+        f"parameters: {fold:.3f} ms")
     records, samples, failures = [], {}, []
     for mode_captured, weights, kernel in variants(device):
         use_kernel(kernel)
@@ -228,7 +248,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     del model, layers
     _free(device)
     return {"records": records, "samples": samples, "hidden": hidden, "blocks": blocks, "seq_len": seq_len,
-            "whole_hf_ms": whole_hf, "attention_kernels": kernels, "attention_bytes_per_slice": attn_bytes,
+            "whole_hf_ms": whole_hf, "fold_ms": fold, "parameters": sum(p.numel() for p in params),
+            "attention_kernels": kernels, "attention_bytes_per_slice": attn_bytes,
             "profiles": profiles, "failures": failures}
 
 

@@ -133,7 +133,7 @@ def run(device, quick: bool, log, keep=None) -> dict:
     if not gpu:
         counts = tuple(c for c in counts if c <= 8)
     out = {"dtype": str(dtype)[6:], "slice_cost": [], "attention_kernels": {}, "attention_bytes_per_slice": {},
-           "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
+           "fold": {}, "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
     for label, spec in sets.items():
         try:
             exact_len = min(spec[-1], 1024)
@@ -141,6 +141,7 @@ def run(device, quick: bool, log, keep=None) -> dict:
             log(f"{label}: exactness at seq {exact_len}: {'passed' if out['exactness'][label]['passed'] else 'FAILED'}")
             measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log)
             out["slice_cost"] += measured["records"]
+            out["fold"][label] = {"ms_per_slice": measured["fold_ms"], "parameters": measured["parameters"]}
             out["attention_kernels"][label] = measured["attention_kernels"]
             out["attention_bytes_per_slice"][label] = measured["attention_bytes_per_slice"]
             whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
@@ -169,6 +170,26 @@ def _cell(value, fmt="{:.2f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def fold_lines(result: dict) -> list[str]:
+    """The per-slice cost with DeepSpeed's per-backward fold (its two passes timed alone, S of them a
+    step) and without it (what tp_trainer runs): weight gradients in B, captured where the step
+    captured (a GPU), else eager, the first kernel recorded."""
+    lines = []
+    for label, fold in result.get("fold", {}).items():
+        recs = [r for r in result["slice_cost"] if r["model"] == label and r["weight_grads"] == "in B"]
+        mode = "captured" if any(r["mode"] == "captured" for r in recs) else "eager"
+        recs = sorted((r for r in recs if r["mode"] == mode), key=lambda r: r["slices"])
+        recs = [r for r in recs if r["attention"] == recs[0]["attention"]] if recs else []
+        lines += [f"DeepSpeed's per-backward clear + fold, {label} ({fold['parameters'] / 1e6:.1f} M parameters): "
+                  f"{fold['ms_per_slice']:.3f} ms a slice. {mode.capitalize()}, weight gradients in B"
+                  + (f", {recs[0]['attention']}" if recs else "") + ": ms a step without it (tp_trainer) / "
+                  "with it (+ S passes):", ""]
+        lines += [f"- S = {r['slices']}: {r['ms']:.2f} / {r['ms'] + r['slices'] * fold['ms_per_slice']:.2f} "
+                  f"(+{100 * r['slices'] * fold['ms_per_slice'] / r['ms']:.0f}%)" for r in recs]
+        lines.append("")
+    return lines
+
+
 def markdown(result: dict, device_name: str) -> str:
     """The report's section for the slice step."""
     lines = [f"## Slices on {device_name}: eager against captured ({result['dtype']})", "",
@@ -190,6 +211,7 @@ def markdown(result: dict, device_name: str) -> str:
                 cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(r['whole_captured_ms'] and r['ms'] / r['whole_captured_ms'])} / {r['ms'] / r['whole_hf_ms']:.2f}")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += fold_lines(result)
     for label, kernels in result["attention_kernels"].items():
         lines.append(f"Attention kernels, {label}: {kernels}")
     for label, mem in result["attention_bytes_per_slice"].items():

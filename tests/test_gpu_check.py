@@ -160,6 +160,11 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert sorted({r["slices"] for r in records}) == [1, 2, 4, 8]
     assert all(ex["passed"] for ex in report["exactness"].values()) and not report["errors"]
     assert "Exactness, llama-w64" in (out / "gpu_check.md").read_text()
+    # DeepSpeed's per-backward fold, timed on each set's parameters: the with / without figures
+    assert set(report["fold"]) == {"gpt2-w64", "llama-w64"}
+    assert all(f["ms_per_slice"] > 0 and f["parameters"] > 0 for f in report["fold"].values())
+    text = (out / "gpu_check.md").read_text()
+    assert "DeepSpeed's per-backward clear + fold, gpt2-w64" in text and "- S = 8: " in text
 
 
 def test_slice_exactness_can_fail(monkeypatch):
