@@ -201,9 +201,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     def whole_step():
         whole(x_leaf).backward(gy)
     whole_hf = timed(whole_step, repeats, device)
-    fold = fold_ms(params, device, repeats)
-    log(f"{label}: DeepSpeed's per-backward clear + fold over its {sum(p.numel() for p in params) / 1e6:.1f} M "
-        f"parameters: {fold:.3f} ms")
+    fold, parameters = fold_ms(params, device, repeats), sum(p.numel() for p in params)
+    log(f"{label}: DeepSpeed's per-backward clear + fold over its {parameters / 1e6:.1f} M parameters: {fold:.3f} ms")
     records, samples, failures = [], {}, []
     for mode_captured, weights, kernel in variants(device):
         use_kernel(kernel)
@@ -248,7 +247,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     del model, layers
     _free(device)
     return {"records": records, "samples": samples, "hidden": hidden, "blocks": blocks, "seq_len": seq_len,
-            "whole_hf_ms": whole_hf, "fold_ms": fold, "parameters": sum(p.numel() for p in params),
+            "whole_hf_ms": whole_hf, "fold_ms": fold, "parameters": parameters,
             "attention_kernels": kernels, "attention_bytes_per_slice": attn_bytes,
             "profiles": profiles, "failures": failures}
 

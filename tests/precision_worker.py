@@ -137,10 +137,10 @@ def shared_memory_sums() -> dict:
     loaded, and whether the kernel's sum equals gloo's bit for bit. The values span 2^-24 .. 2^24 (sums
     that round) and their count is odd (the kernel's vector loop and its scalar remainder)."""
     from deepspeed import comm as dist
-    from tp_trainer.ds_compat import shared_memory_reduce
+    from tp_trainer.ds_compat import shared_memory_op_loaded, shared_memory_reduce
     gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
     values = torch.randn(100_003, generator=gen) * 2.0 ** torch.randint(-24, 25, (100_003,), generator=gen)
-    loaded = hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+    loaded = shared_memory_op_loaded()
     out = {}
     for dtype in (torch.bfloat16, torch.float16):
         x = values.clamp(-6e4, 6e4).to(dtype)   # fp16: finite inputs

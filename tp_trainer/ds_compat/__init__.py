@@ -39,7 +39,8 @@ from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
 __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_override",
            "stage_forward", "loss_backward", "inner_stage_backward",
-           "reduce_tied_grads", "reduce_grads", "optimizer_step", "set_global_grad_norm", "shared_memory_reduce",
+           "reduce_tied_grads", "reduce_grads", "optimizer_step", "set_global_grad_norm",
+           "shared_memory_op_loaded", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
            "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler", "clip_by_pipeline_norm"]
 
@@ -142,6 +143,11 @@ def _cpu_has_avx512bw() -> bool:
         return False
 
 
+def shared_memory_op_loaded() -> bool:
+    """DeepSpeed's CPU shared-memory all-reduce op is loaded in this process."""
+    return hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+
+
 def shared_memory_reduce(group, grad: torch.Tensor) -> bool:
     """True where a sum can use DeepSpeed's CPU shared-memory all-reduce
     (``deepspeed.comm.inference_all_reduce``; checked against DeepSpeed 0.19.8,
@@ -157,8 +163,8 @@ def shared_memory_reduce(group, grad: torch.Tensor) -> bool:
     world = dist.get_world_size()
     dtype_ok = grad.dtype == torch.float32 or (grad.dtype in _HALF_DTYPES and _cpu_has_avx512bw())
     return (get_accelerator().device_name() == "cpu" and dtype_ok and grad.is_contiguous()
-            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
-            and os.environ.get("LOCAL_SIZE") == str(world) and dist.get_world_size(group=group) == world)
+            and shared_memory_op_loaded() and os.environ.get("LOCAL_SIZE") == str(world)
+            and dist.get_world_size(group=group) == world)
 
 
 def reduce_grads(engine) -> None:
