@@ -58,17 +58,27 @@ class PassCounter:
     """Counts the calls of the bf16 optimizer's whole-stage passes, split into those during the
     schedule (before the optimizer step) and those in it: ``clear_lp_grads`` and ``update_hp_grads``
     (each a loop over every parameter; ``update_hp_grads`` only where it loops, i.e. without
-    ``immediate_grad_update``)."""
+    ``immediate_grad_update``). ``hook_calls``: DeepSpeed's per-parameter fold hook
+    (``accumulate_hp_grads_and_remove_lp``) run during the schedule, a Python call per parameter and
+    backward; ``buffer_dtype``: the optimizer's gradient buffers' dtype."""
 
     def __init__(self, engine):
-        self.in_schedule = self.in_step = 0
+        self.in_schedule = self.in_step = self.hook_calls = 0
+        self.buffer_dtype = None
         self.stepping = False
         optimizer = engine.optimizer
         if not hasattr(optimizer, "update_hp_grads"):
-            self.in_schedule = None  # not the bf16 optimizer: no such passes to count
+            self.in_schedule = self.hook_calls = None  # not the bf16 optimizer: no such passes to count
             return
+        self.buffer_dtype = str(optimizer.fp32_groups_gradients[0][0].dtype)
         for method in ("clear_lp_grads", "update_hp_grads"):
             setattr(optimizer, method, self._counted(optimizer, getattr(optimizer, method), method))
+        fold = optimizer.accumulate_hp_grads_and_remove_lp   # the hook calls it through the instance
+
+        def counted_fold(*args, **kwargs):
+            self.hook_calls += not self.stepping
+            return fold(*args, **kwargs)
+        optimizer.accumulate_hp_grads_and_remove_lp = counted_fold
         step = engine._exec_optimizer_step
 
         def counted_step(*args, **kwargs):

@@ -106,6 +106,7 @@ def train(name: str, scheduled_w: bool) -> dict:
     result = {"losses": losses, "grads": grads, "weights_in_b": engine.weight_grads_in_b,
               "params": {n: p.detach().float().clone() for n, p in named.items()},
               "passes_in_schedule": counter.in_schedule, "passes_in_step": counter.in_step,
+              "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,
               "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
               "steps": int(engine.global_steps)}
     if scheduled_w and name in OVERFLOW_CASES:

@@ -64,6 +64,7 @@ def w_runs(launch):
                         "params": {**first["params"], **second["params"]},
                         "passes_in_schedule": (first["passes_in_schedule"], second["passes_in_schedule"]),
                         "passes_in_step": (first["passes_in_step"], second["passes_in_step"]),
+                        "hook_calls": (first["hook_calls"], second["hook_calls"]),
                         "overflow": [r.get("overflow") for r in (first, second)]}
     return merged
 
@@ -160,6 +161,31 @@ def test_no_pass_over_every_parameter_during_the_schedule(w_runs, name):
             continue
         assert result["passes_in_schedule"] == (0, 0), f"{name}@{run}: {result['passes_in_schedule']}"
         assert all(passes <= result["steps"] for passes in result["passes_in_step"]), result["passes_in_step"]
+
+
+@pytest.mark.parametrize("name", [n for n in pc.CASES if n.startswith("bf16") and n != "bf16-1f1b-z1"])
+def test_no_fold_hook_per_slice_for_what_w_makes(w_runs, name):
+    """bf16 optimizer with W's: DeepSpeed's per-parameter fold hook comes off every parameter whose
+    gradient the W's make and, with bf16 buffers, off every parameter (autograd accumulates the norm
+    weights' .grad, folded once per step): no hook call in the schedule; with fp32 buffers only the
+    norm weights' remain, fewer than with weight gradients in B (every parameter, every backward)."""
+    with_w, in_b = w_runs[f"{name}@W"], w_runs[f"{name}@B"]
+    if with_w["buffer_dtype"] == "torch.bfloat16":
+        assert with_w["hook_calls"] == (0, 0), with_w["hook_calls"]
+    else:
+        assert all(0 < w < b for w, b in zip(with_w["hook_calls"], in_b["hook_calls"])), (with_w["hook_calls"],
+                                                                                          in_b["hook_calls"])
+    assert all(calls > 0 for calls in in_b["hook_calls"]), in_b["hook_calls"]
+
+
+def test_norm_weights_folded_once_per_step_equal_the_hooks_bit_for_bit(w_runs):
+    """bf16 buffers: the norm weights' gradients accumulated by autograd and folded once per step
+    equal DeepSpeed's fold after every backward (weight gradients in B) bit for bit."""
+    with_w, in_b = w_runs["bf16-gpipe-z0@W"]["grads"], w_runs["bf16-gpipe-z0@B"]["grads"]
+    norms = [n for n in with_w if ".ln_" in n]
+    assert len(norms) == 3 * 4 + 2   # 3 blocks x 2 norms x (weight, bias), the final norm
+    for name in norms:
+        assert torch.equal(with_w[name], in_b[name]), name
 
 
 @pytest.mark.parametrize("name", precision_worker_overflow := ("fp16-gpipe-z0", "bf16-gpipe-z0"))

@@ -40,7 +40,7 @@ from . import ds_compat
 from .model.head_loss import HeadLossLabels, fuse_head_loss
 from .model.segments import MicrobatchLayouts
 from .model.slice_cache import SequenceKV
-from .model.weight_grad import DeferredWeightGrads, defer_stage, weight_grads_in_b
+from .model.weight_grad import DeferredWeightGrads, defer_stage, params_made_by_w, weight_grads_in_b
 from .memory import ActivationTracker, current_rss_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -126,7 +126,9 @@ class TeraPipeEngine(PipelineEngine):
         """Split this stage's backward into B and W (every linear layer, the tied or untied head, the
         embeddings); the schedule then carries a W for every unit (``split_weight_grads``)."""
         store = DeferredWeightGrads(self.master_grads)
-        defer_stage(self.module.forward_funcs, store)
+        deferred = defer_stage(self.module.forward_funcs, store)
+        if self.master_grads is not None:   # bf16: no DeepSpeed hook per parameter and slice
+            self.master_grads.hold_in_grad(params_made_by_w(deferred))
         return store
 
     @property
@@ -364,6 +366,8 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         if self.weight_grads is not None and len(self.weight_grads):
             raise RuntimeError(f"{cmd}: weight gradients still deferred; a B has no W before this")
+        if self.master_grads is not None:   # the step's first reduction: held .grads into the buffers
+            self.master_grads.fold_held()
         ds_compat.reduce_tied_grads(self.module, self.using_bf16_optimizer)
 
     def _exec_reduce(self, cmd: ReduceGrads):

@@ -169,6 +169,14 @@ TOUCHES = (
           source=(("accumulate_hp_grads_and_remove_lp", ("self._update_hp_grad(lp_param, group_idx, param_idx, "
                                                          "clear_lp_grads=False)", "lp_param.grad = None")),
                   ("update_hp_grads", ("if self.immediate_grad_update:", "return")))),
+    Touch(BF16, "_grad_acc_hooks", "The immediate_grad_update hooks, one per trainable parameter in bf16_groups "
+          "order; grad_fold.MasterGrads.hold_in_grad removes those of parameters whose gradients the W's make or "
+          "whose buffer is in their own dtype (their .grad is then folded once per step, fold_held).",
+          "checked 0.19.8", ("tp_trainer/ds_compat/grad_fold.py",), instance_attr=True,
+          source=(("create_grad_acc_hooks", ("for i, param_group in enumerate(self.bf16_groups):",
+                                             "for j, param in enumerate(param_group):", "if param.requires_grad:",
+                                             "self._grad_acc_hooks.append(register_grad_hook(param, "
+                                             "accumulate_hp_grads_and_remove_lp))")),)),
     Touch(DS_ENGINE, "_global_grad_norm", "What get_global_grad_norm reports; set after our whole-pipeline "
           "clipping (ds_compat.set_global_grad_norm).", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
           instance_attr=True, source=(("get_global_grad_norm", ("return self._global_grad_norm",)),)),

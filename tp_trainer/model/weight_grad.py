@@ -203,6 +203,21 @@ def defer_stage(funcs: list, store: DeferredWeightGrads) -> list[nn.Module]:
     return touched
 
 
+def params_made_by_w(modules) -> list[nn.Parameter]:
+    """The parameters of ``modules`` (what ``defer_stage`` returned) whose gradients only W's make: a
+    deferred linear layer's weight and bias where the weight is trained (a frozen weight takes the plain
+    path: autograd would make its bias's gradient), a deferred embedding's table where
+    ``embedding_grad.slice_embedding`` takes the deferred path."""
+    made = []
+    for module in modules:
+        if isinstance(module, nn.Embedding):
+            if not (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
+                made.append(module.weight)
+        elif module.weight.requires_grad:
+            made += [p for p in (module.weight, module.bias) if p is not None]
+    return [p for p in made if p.requires_grad]
+
+
 def restore(modules) -> None:
     """Undo ``defer`` / ``defer_embedding``."""
     for module in modules:
