@@ -11,7 +11,7 @@ then) would free it however the process ends. Tried once: 1 of 3 launches of a b
 test then aborted at interpreter exit ("terminate called without an active exception"), against 0 of
 5 without, so the run does not do it. Launchers that know their port remove what a finished launch
 left (``remove_leftovers``): benchmarks/_ranks.py, and the tests after each test (tests/conftest.py,
-for every port ``multirank.free_port`` gave out).
+for every port ``multirank.free_port`` gave out); scripts/train.sh removes its launch's (port 29500).
 """
 
 from __future__ import annotations
