@@ -62,7 +62,6 @@ class MasterGrads:
         lp._hp_grad = hp
         return hp.view(lp.shape)
 
-
     def hold_in_grad(self, made_by_w) -> int:
         """Take DeepSpeed's ``immediate_grad_update`` hook off each parameter whose gradient the W's make
         (``made_by_w``: no ``.grad`` ever reaches the hook) or whose buffer is in its own dtype (autograd's

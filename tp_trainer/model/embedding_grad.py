@@ -72,14 +72,19 @@ class _DeferredEmbedding(torch.autograd.Function):
         return None, None, None, None
 
 
+def sliceable(embedding: nn.Embedding) -> bool:
+    """Whether the table's gradient can go by rows (``max_norm``, ``scale_grad_by_freq`` and sparse
+    gradients need the plain module)."""
+    return not (embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse)
+
+
 def slice_embedding(embedding: nn.Embedding, ids: torch.Tensor, kv: SequenceKV | None, start: int) -> torch.Tensor:
     """``embedding(ids)`` for the slice at offset ``start`` of the sequence whose state is ``kv``.
 
     Falls back to the plain module where the trick does not apply: no gradient needed, no sequence
     state, or an embedding with ``max_norm``, ``scale_grad_by_freq`` or sparse gradients.
     """
-    plain = (not torch.is_grad_enabled() or not embedding.weight.requires_grad or kv is None
-             or embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse)
+    plain = not torch.is_grad_enabled() or not embedding.weight.requires_grad or kv is None or not sliceable(embedding)
     if plain:
         return embedding(ids)
     store = getattr(embedding, "deferred_weight_grads", None)

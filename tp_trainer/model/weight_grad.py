@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from .embedding_grad import sliceable
 from .layers import DecoderBlock, LearnedPositions, LMHead, Projection, TokenEmbedding, tied_lm_head
 
 
@@ -211,7 +212,7 @@ def params_made_by_w(modules) -> list[nn.Parameter]:
     made = []
     for module in modules:
         if isinstance(module, nn.Embedding):
-            if not (module.max_norm is not None or module.scale_grad_by_freq or module.sparse):
+            if sliceable(module):
                 made.append(module.weight)
         elif module.weight.requires_grad:
             made += [p for p in (module.weight, module.bias) if p is not None]
