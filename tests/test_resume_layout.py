@@ -15,7 +15,8 @@ noise, which Adam turns into lr-sized updates: ~1e-2 of the tensor after 10 step
 Gradient clipping (1.0, the small config's) acts in these runs. ZeRO-1's optimizer clips by the
 global norm of the pipeline (its model-parallel group spans the stages, a tied copy is skipped), and
 the engine's ZeRO-0 norm sums its squares in float64 like ZeRO-1's per-partition norms, so both
-layouts clip alike (tests/test_schedule_tail.py checks the norms against the HF model's).
+layouts clip alike (tests/test_exactness.py trains the HF model with the same clipping and
+compares every weight after the steps).
 
 Bad resumes stop before any process group with one `error:` line and write nothing.
 """
