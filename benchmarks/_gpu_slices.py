@@ -12,11 +12,17 @@ with the measured costs, simulates deeper pipelines, and writes the report's sec
     simulated   K = 2, 4, 8 stages of that block set, batch 1 and 4 (microbatches of one sequence):
                 TeraPipe's DP plan (sum t + (K - 1) max t) against DeepSpeed's 1F1B on whole
                 sequences ((B + K - 1) x the whole sequence's time, HF eager and captured).
+    engine_step a whole 1-stage training step through the engine (embedding, blocks, head, loss,
+                optimizer), the blocks eager and captured (terapipe.cuda_graphs), 1 and 8 slices of the
+                Llama pair at seq 8192 (``_gpu_stage.py``, one rank; a tiny Llama on a CPU).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import tempfile
 import traceback
 
 import torch
@@ -163,7 +169,25 @@ def run(device, quick: bool, log, keep=None) -> dict:
         cap._free(device)
         if keep is not None:   # what was measured so far, should a later set not finish
             keep(out)
+    out["engine_step"] = engine_step(gpu, log)
     return out
+
+
+def engine_step(gpu: bool, log) -> dict:
+    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors"}; a rank that
+    fails is recorded in "errors", not raised."""
+    from multirank import run_ranks
+    path = os.path.join(tempfile.mkdtemp(prefix="gpu_check_stage_"), "stage.json")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_stage.py")
+    try:
+        for line in run_ranks(worker, 1, [path] + ([] if gpu else ["--tiny"]), timeout=1200)[0].splitlines():
+            if line.startswith("[gpu_check] engine step"):
+                log(line.removeprefix("[gpu_check] "))
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except Exception:  # noqa: BLE001 -- the rest of the report is still written
+        log(f"engine step: FAILED\n{traceback.format_exc()[-1500:]}")
+        return {"records": [], "errors": {"engine step": traceback.format_exc()[-3000:]}}
 
 
 def _cell(value, fmt="{:.2f}") -> str:
@@ -190,6 +214,27 @@ def fold_lines(result: dict) -> list[str]:
     return lines
 
 
+def engine_step_lines(step: dict) -> list[str]:
+    """The whole 1-stage engine step per slice count, blocks eager / captured, and / the same on 1 slice."""
+    recs = step.get("records", [])
+    if not recs and not step.get("errors"):
+        return []
+    lines = [f"Whole 1-stage engine step (embedding, blocks, head, loss, optimizer; `_gpu_stage.py`), "
+             f"{step.get('model')}, seq {step.get('seq_len')}, {step.get('dtype')}: ms a step (wall, median), "
+             "then / the same blocks mode on 1 slice.", "", "| slices | blocks eager | blocks captured |",
+             "|---|---|---|"]
+    whole = {r["blocks"]: r["ms"] for r in recs if r["slices"] == 1}
+    for s in sorted({r["slices"] for r in recs}):
+        cells = []
+        for mode in ("eager", "captured"):
+            r = next((r for r in recs if r["slices"] == s and r["blocks"] == mode), None)
+            cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(whole.get(mode) and r['ms'] / whole[mode])}")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    for name, err in step.get("errors", {}).items():
+        lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-1500:], "```"]
+    return lines + [""]
+
+
 def markdown(result: dict, device_name: str) -> str:
     """The report's section for the slice step."""
     lines = [f"## Slices on {device_name}: eager against captured ({result['dtype']})", "",
@@ -211,7 +256,7 @@ def markdown(result: dict, device_name: str) -> str:
                 cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(r['whole_captured_ms'] and r['ms'] / r['whole_captured_ms'])} / {r['ms'] / r['whole_hf_ms']:.2f}")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += fold_lines(result)
+    lines += fold_lines(result) + engine_step_lines(result.get("engine_step") or {})
     for label, kernels in result["attention_kernels"].items():
         lines.append(f"Attention kernels, {label}: {kernels}")
     for label, mem in result["attention_bytes_per_slice"].items():

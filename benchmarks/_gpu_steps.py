@@ -47,8 +47,12 @@ def _reference(ec, harness, case, device, dtype):
                              _on(device, ec.batches(case, ec.EVAL_STEP)))
 
 
-def judge_case(ec, harness, merged: dict, case: dict, device) -> dict:
-    """The harness's verdict on one case: {"case", "passed", "worst" | "error"}."""
+def judge_case(ec, harness, merged: dict, case: dict, device, errors: dict | None = None) -> dict:
+    """The harness's verdict on one case: {"case", "passed", "worst" | "error"}; ``errors``: the
+    traceback of a run that raised, by "name@dtype"."""
+    raised = [text for key, text in (errors or {}).items() if key.startswith(case["name"] + "@")]
+    if raised:
+        return {"case": case["name"], "passed": False, "error": raised[0][-400:]}
     try:
         # float64 end to end + fp32 against the float64 HF run
         exact = _reference(ec, harness, case, device, torch.float64)
@@ -72,7 +76,10 @@ def step_exactness(device) -> dict:
     out_dir = tempfile.mkdtemp(prefix="gpu_check_exact_")
     run_ranks(WORKER, 1, ["exact", out_dir], timeout=1200)
     merged = harness.merge_ranks(out_dir, 1)
-    verdicts = [judge_case(ec, harness, merged, case, device) for case in ec.cases(1)]
+    merged.update(harness.merge_ranks(os.path.join(out_dir, "graphs"), 1))   # terapipe.cuda_graphs cases
+    with open(os.path.join(out_dir, "graphs", "errors.json"), encoding="utf-8") as handle:
+        errors = json.load(handle)
+    verdicts = [judge_case(ec, harness, merged, case, device, errors) for case in ec.cases(1)]
     failed = [v for v in verdicts if not v["passed"]]
     status = "failed" if failed else "passed"
     print(f"[gpu_check] step 1 exactness: {status}, {len(verdicts) - len(failed)}/{len(verdicts)} cases", flush=True)

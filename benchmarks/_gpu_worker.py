@@ -1,7 +1,9 @@
 """One rank (world size 1) of gpu_check.py's engine steps, started by ``tests/multirank.run_ranks``.
 
     _gpu_worker.py exact OUT_DIR                       step 1: tests/exactness_worker.py's 1-stage cases,
-                                                       fp32 with TF32 off, on this rank's accelerator
+                                                       fp32 with TF32 off, on this rank's accelerator; the
+                                                       captured cases (terapipe.cuda_graphs) after the others,
+                                                       each on its own: OUT_DIR/graphs/ (results and errors)
     _gpu_worker.py precision fp32|fp16|bf16 STEPS OUT  steps 2-3: train STEPS steps, then force an overflow
 
 ``tp_trainer.initialize`` picks the process-group backend from ``get_accelerator()`` (NCCL on CUDA,
@@ -44,8 +46,25 @@ def run_exact(out_dir: str) -> None:
     disable_tf32()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import exactness_worker
+    import exactness_cases as ec
+    import pipeline_harness as harness
+    every = ec.cases
+    ec.cases = lambda world: [case for case in every(world) if not case["graphs"]]
     sys.argv = [exactness_worker.__file__, "1", out_dir]
     exactness_worker.main()
+    # the engine's captured blocks, first run on a GPU here: a failure is recorded and the others kept
+    graphs_dir, results, errors = os.path.join(out_dir, "graphs"), {}, {}
+    os.makedirs(graphs_dir, exist_ok=True)
+    for case in [case for case in every(1) if case["graphs"]]:
+        for key, dtype in ec.DTYPES.items():
+            try:
+                results[f"{case['name']}@{key}"] = exactness_worker.run_case(case, dtype)
+            except Exception:  # noqa: BLE001 -- reported by step 1 as this case's error
+                import traceback
+                errors[f"{case['name']}@{key}"] = traceback.format_exc()[-1500:]
+    harness.save_rank(results, graphs_dir)
+    with open(os.path.join(graphs_dir, "errors.json"), "w", encoding="utf-8") as handle:
+        json.dump(errors, handle)
 
 
 def ds_config(precision: str) -> dict:

@@ -11,7 +11,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      attention kernels: GPT-2 medium blocks at seq 2048 and a Llama pair of 7B width at seq 8192, 1 to
      32 slices, against HF's blocks on the whole sequence; the attention kernels a slice runs and its
      attention memory against its context; exactness against float64; the planner's DP on the
-     measured costs; simulated pipelines of 2, 4 and 8 stages. On a CPU: two tiny sets, eager only.
+     measured costs; simulated pipelines of 2, 4 and 8 stages; a whole 1-stage engine step (embedding,
+     the Llama pair, head, loss, optimizer) at 1 and 8 slices, blocks eager and captured
+     (``terapipe.cuda_graphs``, ``_gpu_stage.py``). On a CPU: two tiny sets, eager only.
      ``--quick``: this step only, at 1, 8 and 32 slices (about 3 minutes on an H100).
   engine  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
      harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;

@@ -47,6 +47,9 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
+    if stages <= 2:  # the blocks through model/captured_blocks.py (terapipe.cuda_graphs; eager units on a CPU)
+        out += [_case(stages, 3, "uneven", tied, schedule, graphs=True)
+                for tied, schedule in ((True, "1f1b"), (False, "gpipe"))[:stages]]
     if stages > 1:  # LoRA (tests/lora_cases.py): adapters with non-zero B, base weights frozen
         out += lora_cases(stages)
     if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,
@@ -77,17 +80,18 @@ CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm"
 
 
 def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
-          cut=False, shared=0, half="attn", lora=None):
+          cut=False, shared=0, half="attn", lora=None, graphs=False):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
     split = ({"names": SHARED_SPLITS[half], "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
     shared_name = {"attn": "-shared", "mlp": "-shared-mlp"}[half]
     return {"name": base + (shared_name if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
-            + ("" if zb else "-nozb") + ("" if lora is None else "-lora" + "".join(f"-{m}" for m in lora)),
-            "same_as": base if (ckpt or not zb or cut) and lora is None else None, "split": split, "lora": lora,
+            + ("" if zb else "-nozb") + ("" if lora is None else "-lora" + "".join(f"-{m}" for m in lora))
+            + ("-graphs" if graphs else ""),
+            "same_as": base if (ckpt or not zb or cut or graphs) and lora is None else None, "split": split, "lora": lora,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
             "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb,
-            "shared_half": half if shared else None}
+            "shared_half": half if shared else None, "graphs": graphs}
 
 
 def tiny_model(tied: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
@@ -117,6 +121,7 @@ def ds_config(case: dict) -> dict:
                                case["schedule"], case["zero"])
     config["pipeline"].update(activation_checkpoint_interval=int(case["ckpt"]), use_reentrant=False)
     config["terapipe"]["defer_weight_grads"] = case["zb"]  # W's split and scheduled (zero-bubble) or not
+    config["terapipe"]["cuda_graphs"] = case.get("graphs", False)
     if case.get("lora") is not None:
         import lora_cases
         config["terapipe"]["lora"] = lora_cases.section(case)

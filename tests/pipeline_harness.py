@@ -124,7 +124,14 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
             "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
+            "captured_units": _captured_units(engine),
             "inspect": inspect(engine) if inspect is not None else None}
+
+
+def _captured_units(engine) -> int:
+    """Units the stage's ``CapturedBlocks`` prepared (terapipe.cuda_graphs), 0 without them."""
+    graphs = getattr(getattr(engine, "captured", None), "graphs", None)
+    return len(graphs.order) if graphs is not None else 0
 
 
 def save_rank(results: dict, out_dir: str) -> None:
@@ -146,9 +153,10 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
                 continue
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
                                              "grads": {}, "params": {}, "fused_head_loss": False,
-                                             "layer_types": set()})
+                                             "layer_types": set(), "captured_units": 0})
             entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
             entry["layer_types"] |= set(result.get("layer_types", ()))
+            entry["captured_units"] += result.get("captured_units", 0)
             # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
             assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
                        zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"

@@ -165,6 +165,13 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert all(f["ms_per_slice"] > 0 and f["parameters"] > 0 for f in report["fold"].values())
     text = (out / "gpu_check.md").read_text()
     assert "DeepSpeed's per-backward clear + fold, gpt2-w64" in text and "- S = 8: " in text
+    # the whole 1-stage engine step, blocks eager and through captured_blocks (eager units on a CPU): same loss
+    step = report["engine_step"]
+    assert not step["errors"] and {(r["slices"], r["blocks"]) for r in step["records"]} == {
+        (s, b) for s in (1, 4) for b in ("eager", "captured")}
+    losses = {(r["slices"], r["blocks"]): r["loss"] for r in step["records"]}
+    assert all(abs(losses[(s, "captured")] - losses[(s, "eager")]) <= 1e-6 * abs(losses[(s, "eager")]) for s in (1, 4))
+    assert "Whole 1-stage engine step" in text
 
 
 def test_slice_exactness_can_fail(monkeypatch):

@@ -49,6 +49,10 @@ BAD_INPUTS = [
      "terapipe.cost_model: COST_FP32 was measured in fp32, this run computes in bf16"),
     ({"terapipe.microbatches": "auto"}, 2, {}, "terapipe.microbatches: \"auto\" needs \"slices\": \"auto\""),
     ({}, 2, {"model_name_or_path": "/nonexistent/ckpt"}, "/nonexistent/ckpt"),
+    ({"terapipe.cuda_graphs": True, "zero_optimization": {"stage": 1}}, 2, {},
+     "terapipe.cuda_graphs: ZeRO stage 1 hooks every parameter's gradient"),
+    ({"terapipe.cuda_graphs": True}, 2, {"packing": "examples"},
+     "--packing examples: several examples per row change the attention"),
 ]
 
 

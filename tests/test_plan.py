@@ -27,12 +27,31 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "defer_weight_grads": "yes"}, r"terapipe.defer_weight_grads: must be true or false, got 'yes'"),
     ({"seq_len": 16, "split_blocks": 1}, r"terapipe.split_blocks: must be true or false, got 1"),
     ({"seq_len": 16, "share_halves": "no"}, r"terapipe.share_halves: must be true or false, got 'no'"),
+    ({"seq_len": 16, "cuda_graphs": "on"}, r"terapipe.cuda_graphs: must be true or false, got 'on'"),
+    ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "cuda_graphs": True},
+     r"terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint"),
     ({"seq_len": 16, "calibrate": True}, r"terapipe.calibrate: no longer exists \(the start-up calibration .*\); "
                                           r"delete the key"),
 ])
 def test_bad_terapipe_section(section, message):
     with pytest.raises(ConfigError, match=message):
         TeraPipeConfig.from_section(section)
+
+
+@pytest.mark.parametrize("ds_config,message", [
+    ({"zero_optimization": {"stage": 1}}, r"ZeRO stage 1 hooks every parameter's gradient"),
+    ({"pipeline": {"activation_checkpoint_interval": 1}}, r"activation checkpointing recomputes the blocks"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, r"the bf16 optimizer with fp32 gradient buffers"),
+])
+def test_cuda_graphs_refuse_what_runs_python_per_backward(ds_config, message):
+    """What would run as Python inside a captured backward (or recompute outside it) is refused before
+    any work, naming the setting; without those settings the config passes."""
+    from tp_trainer.checks import check_cuda_graphs
+    graphs = TeraPipeConfig.from_section({"seq_len": 16, "cuda_graphs": True})
+    with pytest.raises(ConfigError, match=r"terapipe.cuda_graphs: " + message):
+        check_cuda_graphs(graphs, ds_config)
+    check_cuda_graphs(graphs, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}})
+    check_cuda_graphs(TeraPipeConfig.from_section({"seq_len": 16}), ds_config)   # off: nothing to refuse
 
 
 def test_plan_rejects_bad_sum():

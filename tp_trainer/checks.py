@@ -69,6 +69,10 @@ def validate(args, world_size: int) -> RunSpec:
     apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
     pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
     check_lora(pipeline.terapipe, checked, args)
+    if pipeline.terapipe.cuda_graphs and args.packing == "examples":
+        raise ConfigError("--packing examples: several examples per row change the attention of every "
+                          "microbatch, which terapipe.cuda_graphs cannot capture; use --packing none or "
+                          "set terapipe.cuda_graphs false")
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
     if args.resume:
         from .resume_checks import check_resume
@@ -162,6 +166,7 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     if warning and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("tp_trainer").warning("%s", warning)
     check_precision(ds_config)
+    check_cuda_graphs(terapipe, ds_config)
     stages = pipeline_stages(ds_config, world_size)
     depth = model_depth(model_config)
     if stages > depth:
@@ -169,6 +174,20 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
                           f"use at most {depth} stages")
     cost = read_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0), compute_dtype_name(ds_config))
     return PipelineSpec(ds_config, terapipe, stages, cost)
+
+
+def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
+    """``terapipe.cuda_graphs`` only with what captured blocks can run (``captured_blocks.refusal``)."""
+    if not terapipe.cuda_graphs:
+        return
+    from .model.captured_blocks import refusal
+    bf16 = any(ds_config.get(key, {}).get("enabled", False) for key in ("bf16", "bfloat16"))
+    accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "bf16")).lower()
+    why = refusal(zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+                  checkpointing=int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0,
+                  hooked_params=bf16 and accumulation in ("fp32", "float32", "float"))
+    if why:
+        raise ConfigError(f"terapipe.cuda_graphs: {why}")
 
 
 def check_precision(ds_config: dict) -> None:

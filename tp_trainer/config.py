@@ -69,6 +69,15 @@ class TeraPipeConfig:
     added into it (fp16: its overflow check sees every gradient). bf16 (DeepSpeed's BF16_Optimizer):
     W adds into the optimizer's gradient buffers directly (ds_compat/grad_fold.py)."""
 
+    cuda_graphs: bool = False
+    """Run each stage's decoder blocks as CUDA graphs, one forward and one backward graph per unit
+    (microbatch, slice), captured at the first step in the schedule's order and replayed after it
+    (model/captured_blocks.py): no host time per block and slice. Embedding, head, loss and
+    DeepSpeed's step stay eager; weight gradients run inside B. Needs ZeRO stage 0, no activation
+    checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
+    and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
+    order (what the CPU tests check). Off by default until a GPU measures it in the engine."""
+
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
     optimizer state, activations and K/V; measured as peak RSS above the process's size before the
@@ -118,6 +127,11 @@ class TeraPipeConfig:
             raise ConfigError(f"terapipe.share_halves: must be true or false, got {self.share_halves!r}")
         if not isinstance(self.split_blocks, bool):
             raise ConfigError(f"terapipe.split_blocks: must be true or false, got {self.split_blocks!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"terapipe.cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.memory_limit_gib is not None:
+            raise ConfigError("terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint activations, "
+                              "which captured blocks cannot; drop memory_limit_gib or set cuda_graphs false")
         if not isinstance(self.defer_weight_grads, bool):
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:

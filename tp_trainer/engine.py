@@ -37,6 +37,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
+from .model.captured_blocks import capture_blocks
 from .model.head_loss import HeadLossLabels, fuse_head_loss
 from .model.segments import MicrobatchLayouts
 from .model.slice_cache import SequenceKV
@@ -71,7 +72,7 @@ class TeraPipeEngine(PipelineEngine):
     """
 
     def __init__(self, *args, run_plan: RunPlan, hidden_size: int, defer_weight_grads: bool = False,
-                 track_activations: bool = False, **kwargs):
+                 track_activations: bool = False, cuda_graphs: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         plan = run_plan.slices
         if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
@@ -88,10 +89,15 @@ class TeraPipeEngine(PipelineEngine):
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         self.master_grads = ds_compat.fold_as_made(self)  # bf16: gradients into the optimizer's buffers as made
+        # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
+        self.captured = capture_blocks(self.module.forward_funcs) if cuda_graphs else None
+        if self.captured is not None and self.master_grads is not None:
+            self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
         model_dtype, accumulation_dtype = self.get_data_types()
         self.weight_grads_in_b = weight_grads_in_b(
             defer_weight_grads, self.zero_optimization_stage(), self.zero_overlap_comm(),
-            separate_accumulation=accumulation_dtype != model_dtype and self.master_grads is None)
+            separate_accumulation=accumulation_dtype != model_dtype and self.master_grads is None,
+            captured=self.captured is not None)
         self.weight_grads = self._deferred_weight_grads() if self.weight_grads_in_b is None else None
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
@@ -157,7 +163,7 @@ class TeraPipeEngine(PipelineEngine):
             self.agg_train_loss = self.step_loss(sum(self.fwd_outputs) / self.micro_batches
                                                  if self.is_last_stage() else None)
         self.timers(TRAIN_BATCH_TIMER).stop()
-        self._report_step(self.agg_train_loss)
+        ds_compat.report_step(self, self.agg_train_loss)
         return self.agg_train_loss
 
     def _set_data(self, data_iter) -> None:
@@ -180,21 +186,6 @@ class TeraPipeEngine(PipelineEngine):
             last = self.grid.stage_to_global(stage_id=self.num_stages - 1)
             dist.broadcast(buffer, src=last, group=self.grid.get_pipe_parallel_group())
         return buffer[0]
-
-    def _report_step(self, loss: torch.Tensor) -> None:
-        """DeepSpeed's step reports: every ``steps_per_print`` steps rank 0's line (loss, iteration time,
-        samples/s) and, with ``wall_clock_breakdown``, the batch timer; the loss to the monitors
-        (TensorBoard / W&B / CSV) on rank 0 at every step."""
-        every = self.steps_per_print()
-        if every is not None and self.global_steps % every == 0:
-            seconds = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0 / every
-            if self.global_rank == 0:
-                print(f"steps: {self.global_steps} loss: {float(loss):0.4f} iter time (s): {seconds:0.3f} "
-                      f"samples/sec: {self.train_batch_size() / seconds:0.3f}")
-            if self.wall_clock_breakdown():
-                self.timers.log([TRAIN_BATCH_TIMER])
-        if self.global_rank == 0 and self.monitor.enabled:
-            self.monitor.write_events([("Train/Samples/train_loss", float(loss), self.global_samples)])
 
     def _run(self, program: "Program") -> None:
         """Execute one schedule: each instruction through ``_DISPATCH``, each receive posted just
@@ -287,6 +278,8 @@ class TeraPipeEngine(PipelineEngine):
             self._kv[m] = SequenceKV(self._seq_len, segments=self.layouts.segments(m, self.device))
         kv = self._kv[m]
         self.slice_context.begin(kv, self._offsets[j], self._slices[j])
+        if self.captured is not None:
+            self._capture(m, j)
         if self.head_loss is not None:
             self.head_loss.labels = self._labels[(m, j)]
         if self.activation_tracker is None:
@@ -306,6 +299,17 @@ class TeraPipeEngine(PipelineEngine):
                 self._losses[(m, j)] = loss
         else:
             self._outputs[(m, j)] = outputs
+
+    def _capture(self, m: int, j: int) -> None:
+        """The captured blocks run unit (m, j) next; before the first training unit, every unit of the
+        step is captured in the order of this stage's schedule."""
+        self.captured.unit = (m, j)
+        if self.captured.graphs is None and torch.is_grad_enabled():
+            order = [("F" if type(i) is ForwardSlice else "B", i.microbatch, i.slice)
+                     for i in self._train_program.instructions if isinstance(i, (ForwardSlice, BackwardSlice))]
+            shapes = [[self._slice_shape(k) for k in range(len(self._slices))]] * self.micro_batches
+            self.captured.prepare(order, shapes, list(zip(self._offsets, self._slices)), self._seq_len,
+                                  self.device, self._compute_dtype())
 
     # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
     # receive was posted when the previous one of its kind completed, or after the last send to the

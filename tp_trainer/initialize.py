@@ -104,7 +104,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                             config_class=config_class, run_plan=run_plan, hidden_size=model.config.hidden_size,
-                            defer_weight_grads=terapipe.defer_weight_grads, track_activations=track_activations)
+                            defer_weight_grads=terapipe.defer_weight_grads, track_activations=track_activations,
+                            cuda_graphs=terapipe.cuda_graphs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -31,6 +31,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from .check import check_override, check_touch
@@ -38,7 +39,7 @@ from .grad_fold import MasterGrads, bf16_fold_config, fold_as_made
 from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
 __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_override",
-           "stage_forward", "loss_backward", "inner_stage_backward",
+           "stage_forward", "loss_backward", "inner_stage_backward", "report_step",
            "reduce_tied_grads", "reduce_grads", "optimizer_step", "set_global_grad_norm",
            "shared_memory_op_loaded", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
@@ -104,6 +105,23 @@ def unsynchronized_throughput_timer(engine) -> None:
     cannot, whatever DeepSpeed counts later. The timer reports nothing here either way."""
     timer = engine.tput_timer
     timer.config = timer.config.model_copy(update={"synchronized": False})
+
+
+def report_step(engine, loss: torch.Tensor) -> None:
+    """What DeepSpeed's ``train_batch`` reports after a step (``engine.train_batch`` replaces it): every
+    ``steps_per_print`` steps rank 0's line (loss, iteration time, samples/s) and, with
+    ``wall_clock_breakdown``, the batch timer; the loss to the monitors (TensorBoard / W&B / CSV) on rank
+    0 at every step."""
+    every = engine.steps_per_print()
+    if every is not None and engine.global_steps % every == 0:
+        seconds = engine.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0 / every
+        if engine.global_rank == 0:
+            print(f"steps: {engine.global_steps} loss: {float(loss):0.4f} iter time (s): {seconds:0.3f} "
+                  f"samples/sec: {engine.train_batch_size() / seconds:0.3f}")
+        if engine.wall_clock_breakdown():
+            engine.timers.log([TRAIN_BATCH_TIMER])
+    if engine.global_rank == 0 and engine.monitor.enabled:
+        engine.monitor.write_events([("Train/Samples/train_loss", float(loss), engine.global_samples)])
 
 
 def reduce_tied_grads(module, bf16_optimizer: bool) -> None:

@@ -43,7 +43,8 @@ OVERRIDES = (
     Touch(PIPE_ENGINE, "train_batch", "TeraPipeEngine owns the step: its train_batch runs the slice schedule, "
           "takes the loss and reports as DeepSpeed's does (the steps_per_print line, the train_loss monitor "
           "event, the train_batch timer); an upgrade that changes what DeepSpeed's reports must be followed "
-          "there.", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/run.py"), params=("self", "data_iter"),
+          "there (ds_compat.report_step).", PIPE_SINCE,
+          ("tp_trainer/engine.py", "tp_trainer/ds_compat/__init__.py", "tp_trainer/run.py"), params=("self", "data_iter"),
           source=(("train_batch", ("self.timers(TRAIN_BATCH_TIMER).start()", "'Train/Samples/train_loss'",
                                    "self.global_steps % self.steps_per_print() == 0")),)),
     Touch(PIPE_ENGINE, "eval_batch", "Evaluation slice by slice (forward-only schedule); callers pass "

@@ -46,6 +46,13 @@ class SliceContext:
         self.segments = kv.segments
         self._per_slice = {}
 
+    def state(self) -> tuple:
+        """What ``begin`` set, for ``restore`` (a callee that begins slices of its own in between)."""
+        return self.start, self.length, self.cache, self.segments, self._per_slice
+
+    def restore(self, state: tuple) -> None:
+        self.start, self.length, self.cache, self.segments, self._per_slice = state
+
     def per_slice(self, key, make):
         """``make()`` computed once per slice and shared by the stage's layers (keyed by ``key``)."""
         value = self._per_slice.get(key)

@@ -226,15 +226,18 @@ def restore(modules) -> None:
         module.__dict__.pop("deferred_weight_grads", None)
 
 
-def weight_grads_in_b(asked: bool, zero_stage: int, overlap_comm: bool, separate_accumulation: bool) -> str | None:
+def weight_grads_in_b(asked: bool, zero_stage: int, overlap_comm: bool, separate_accumulation: bool,
+                      captured: bool = False) -> str | None:
     """Why a stage's weight gradients stay in its backward (B), or None where they run as W's.
     DeepSpeed must read each gradient after the step's last backward, not move it during each one:
     fp32, fp16 and bf16 with ZeRO stage 0, or ZeRO 1 without overlap_comm (their optimizers read
     ``.grad`` at ReduceGrads / the step; under the bf16 optimizer W adds into its gradient buffers,
     ``ds_compat.grad_fold``). ``separate_accumulation``: a ZeRO optimizer (not the bf16 one)
     accumulating in another dtype than the model's moves ``.grad`` in hooks
-    (``terapipe.defer_weight_grads`` in config.py says why)."""
+    (``terapipe.defer_weight_grads`` in config.py says why). ``captured``: the blocks run as CUDA graphs
+    (``terapipe.cuda_graphs``), whose backward adds the weight gradients itself."""
     reasons = [(not asked, "terapipe.defer_weight_grads false"),
+               (captured, "terapipe.cuda_graphs: captured blocks"),
                (zero_stage > 1, f"ZeRO stage {zero_stage} reduces gradients in backward hooks"),
                (zero_stage == 1 and overlap_comm, "ZeRO-1 with overlap_comm reduces gradients in backward hooks"),
                (separate_accumulation, "ZeRO-1 accumulating in another dtype moves gradients in backward hooks")]

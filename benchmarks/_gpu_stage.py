@@ -1,0 +1,113 @@
+"""gpu_check's engine step: a whole 1-stage training step through TeraPipeEngine (embedding, decoder
+blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eager against captured
+(``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``). One rank, started by
+``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
+
+    _gpu_stage.py OUT_JSON [--tiny]
+
+On a GPU: the Llama 7B-width pair (2 layers, width 4096, 32 heads, 8 KV heads, MLP 11008, vocabulary
+32000, ~0.62 B parameters) at seq 8192, batch 1, bf16 (DeepSpeed's bf16 optimizer, ZeRO 0, torch's
+AdamW), gpipe, 1 and 8 uniform slices. ``--tiny`` (a CPU, in the tests): a Llama of width 64 at seq
+128, fp32, 1 and 4 slices; the captured blocks then run eagerly through the same object. Each variant
+is a fresh engine from the same seed; ``ms`` is the median wall time of ``train_batch`` (the device
+synchronized before and after) over REPEATS steps after WARMUP, ``loss`` the last step's loss.
+Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss"}], "errors"}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+WARMUP, REPEATS = 2, 5
+# label: (hidden, heads, KV heads, intermediate, layers, vocabulary, seq_len, slice counts, precision)
+SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, (1, 8), "bf16"),
+        "llama-w64": (64, 4, 2, 160, 2, 256, 128, (1, 4), "fp32")}
+
+
+def ds_config(seq_len: int, slices: int, captured: bool, precision: str) -> dict:
+    # 1 microbatch x 1 sequence x seq_len tokens a step, one rank
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+              "pipeline": {"stages": 1},
+              "terapipe": {"seq_len": seq_len, "slices": f"uniform:{slices}", "schedule": "gpipe",
+                           "cuda_graphs": captured, "bind_cores": False}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def batches(vocab: int, seq_len: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One microbatch (input ids, labels) of random tokens."""
+    tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(step))
+    return [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
+
+
+def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
+    """(median ms of a train_batch, the last loss)."""
+    from deepspeed.accelerator import get_accelerator
+    accel = get_accelerator()
+    times, loss = [], None
+    for step in range(WARMUP + REPEATS):
+        data = iter(batches(vocab, seq_len, step))
+        accel.synchronize()
+        start = time.perf_counter()
+        loss = float(engine.train_batch(data))
+        accel.synchronize()
+        if step >= WARMUP:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), loss
+
+
+def measure(label: str) -> dict:
+    from transformers import LlamaConfig
+
+    from tp_trainer.checkpoint import meta_model
+    from tp_trainer.initialize import initialize
+    hidden, heads, kv_heads, inter, layers, vocab, seq_len, counts, precision = SETS[label]
+    config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab,
+                         max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}}
+    for captured in (False, True):
+        for slices in counts:
+            name = f"{slices} slices, {'captured' if captured else 'eager'}"
+            try:
+                engine, *_ = initialize(meta_model(config), ds_config(seq_len, slices, captured, precision), seed=1)
+                ms, loss = timed_steps(engine, vocab, seq_len)
+                out["records"].append({"slices": slices, "blocks": "captured" if captured else "eager",
+                                       "ms": ms, "loss": loss})
+                print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
+                      flush=True)
+            except Exception:  # noqa: BLE001 -- the other variants still run
+                out["errors"][name] = traceback.format_exc()[-1500:]
+                print(f"[gpu_check] engine step, {name}: FAILED\n{out['errors'][name]}", flush=True)
+            engine = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    path, tiny = sys.argv[1], "--tiny" in sys.argv[2:]
+    result = measure("llama-w64" if tiny else "llama-7b-pair")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
+    from tp_trainer.failures import leave
+    leave(0)  # results are written: skip the process group's destructors

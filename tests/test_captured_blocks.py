@@ -1,0 +1,90 @@
+"""model.captured_blocks (terapipe.cuda_graphs) without a GPU: the stage's decoder blocks as one
+``CapturedBlocks`` whose units run eagerly through ``UnitGraphs``, driven as the engine drives them
+(the engine's own K/V store in the slice context, ``unit`` set per slice, ``.grad`` dropped between
+steps as DeepSpeed's step does). Checked in float64 against HF's blocks on the whole sequence over
+two steps; the engine's runs are in tests/test_exactness.py (the ``-graphs`` cases)."""
+
+import pytest
+import torch
+from test_capture import SLICES, model, whole
+
+from tp_trainer.model.captured_blocks import CapturedBlocks, capture_blocks
+from tp_trainer.model.layers import DecoderBlock, SliceContext
+from tp_trainer.model.slice_cache import SequenceKV
+
+ORDER = [("F", 0, j) for j in range(len(SLICES))] + [("B", 0, j) for j in reversed(range(len(SLICES)))]
+
+
+def stage(hf):
+    """(forward_funcs with the blocks captured, the CapturedBlocks, the slice context)."""
+    ctx = SliceContext("sdpa")
+    funcs = [DecoderBlock(b, f"transformer.h.{i}", ctx) for i, b in enumerate(hf.transformer.h)]
+    blocks = capture_blocks(funcs)
+    blocks.prepare(ORDER, [[(1, l, 16) for _, l in SLICES]], SLICES, 16, "cpu", torch.float64)
+    return funcs, blocks, ctx
+
+
+def test_two_steps_equal_the_whole_sequence():
+    hf = model()
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+    gy = torch.randn_like(x)
+    want_out, want_dx, want_grads = whole(hf, x, gy)
+    funcs, blocks, ctx = stage(hf)
+    assert funcs == [blocks] and not blocks.graphs.captured
+    params = list(hf.transformer.h.parameters())
+    kept = [p.grad for p in params]
+    for _ in range(2):
+        for p in params:   # DeepSpeed's step drops .grad; the captured tensors come back, zeroed
+            p.grad = None
+        kv, outs, leaves = SequenceKV(16), [], []
+        for j, (start, length) in enumerate(SLICES):
+            ctx.begin(kv, start, length)   # the engine's own store
+            cache = ctx.cache
+            blocks.unit = (0, j)
+            leaves.append(x[:, start:start + length].clone().requires_grad_())
+            outs.append(funcs[0](leaves[-1]))
+            assert ctx.cache is cache and ctx.start == start   # the units' own K/V did not leak out
+        for j in reversed(range(len(SLICES))):
+            start, length = SLICES[j]
+            ctx.begin(kv, start, length)
+            outs[j].backward(gy[:, start:start + length])
+        torch.testing.assert_close(torch.cat([o.detach() for o in outs], 1), want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.cat([leaf.grad for leaf in leaves], 1), want_dx, rtol=1e-12, atol=1e-12)
+        assert all(p.grad is g for p, g in zip(params, kept))
+        for got, expected in zip(params, want_grads):
+            torch.testing.assert_close(got.grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_without_gradients_the_blocks_run_eagerly():
+    """Evaluation: the engine's K/V store, no unit consumed (the training order is unchanged)."""
+    hf = model()
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+    want_out = whole(hf, x, torch.zeros_like(x))[0]
+    funcs, blocks, ctx = stage(hf)
+    kv, outs = SequenceKV(16), []
+    with torch.no_grad():
+        for j, (start, length) in enumerate(SLICES):
+            ctx.begin(kv, start, length)
+            blocks.unit = (0, j)
+            outs.append(funcs[0](x[:, start:start + length]))
+    torch.testing.assert_close(torch.cat(outs, 1), want_out, rtol=1e-12, atol=1e-12)
+    assert blocks.graphs.cursor == 0 and kv.layers   # the eager blocks wrote the engine's store
+
+
+def test_packed_examples_are_refused():
+    funcs, blocks, ctx = stage(model())
+    ctx.begin(SequenceKV(16, segments=object()), 0, 5)
+    blocks.unit = (0, 0)
+    with pytest.raises(ValueError, match="terapipe.cuda_graphs: packed examples"):
+        funcs[0](torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True))
+
+
+def test_capture_blocks_takes_one_run_of_blocks():
+    hf = model()
+    ctx = SliceContext("sdpa")
+    first, second = (DecoderBlock(b, f"transformer.h.{i}", ctx) for i, b in enumerate(hf.transformer.h))
+    assert capture_blocks(["embed", "head"]) is None
+    funcs = ["embed", first, second, "head"]
+    assert isinstance(capture_blocks(funcs), CapturedBlocks) and funcs[0] == "embed" and funcs[2] == "head"
+    with pytest.raises(ValueError, match="not consecutive"):
+        capture_blocks([first, "norm", second])

@@ -1,0 +1,140 @@
+"""The engine's decoder blocks run unit by unit through ``capture.UnitGraphs`` (``terapipe.cuda_graphs``).
+
+Each unit (microbatch m, slice j) of a stage runs its consecutive decoder blocks as CUDA graphs
+captured once, in the schedule's order, and replayed every step (``capture.py``); the layers before
+and after them (embedding, final norm, head, loss) and everything DeepSpeed does stay eager. Between
+the two, ``_Replay`` is one autograd node per unit: its forward replays unit (m, j)'s forward graph
+and returns a copy of the graph's static output; its backward replays the backward graph and returns
+a copy of the static input gradient. The copies are (b, l, hidden) each, so nothing the eager side
+keeps (an activation being sent, a gradient handed to autograd) is overwritten by the next replay.
+
+What the graphs write stays valid only while its memory does:
+- K/V: ``UnitGraphs`` owns one ``SequenceKV`` per microbatch (fixed addresses), not the engine's.
+- Weight gradients: the backward graphs add into the ``.grad`` tensors that existed at capture.
+  DeepSpeed drops ``.grad`` after its step (``zero_grad``; the bf16 fold) so they are kept here and put
+  back, zeroed, before each step's first unit (``_reattach``): one pass over the blocks' parameters
+  per step.
+
+Nothing per backward may run as Python inside a graph (it would run at capture only): weight gradients
+go inside B (no deferred W), and the engine refuses what hooks each parameter (``refusal``). Without
+CUDA (``capture=False``) the same object runs every unit eagerly in the same order: the mechanics
+above (order, K/V ownership, the kept gradients) are what the CPU tests check. A forward without
+gradients (evaluation) runs the blocks eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .capture import UnitGraphs, layer_callbacks
+from .layers import DecoderBlock
+
+
+def refusal(*, zero_stage: int, checkpointing: bool, hooked_params: bool) -> str | None:
+    """Why ``terapipe.cuda_graphs`` cannot run with these settings (None: it can)."""
+    if zero_stage:
+        return (f"ZeRO stage {zero_stage} hooks every parameter's gradient in Python, which a graph would run "
+                f"only while it is captured; set zero_optimization.stage 0 or terapipe.cuda_graphs false")
+    if checkpointing:
+        return ("activation checkpointing recomputes the blocks outside the captured backward; set "
+                "pipeline.activation_checkpoint_interval 0 (and no terapipe.memory_limit_gib) or "
+                "terapipe.cuda_graphs false")
+    if hooked_params:
+        return ("the bf16 optimizer with fp32 gradient buffers (data_types.grad_accum_dtype fp32) folds every "
+                "gradient in a Python hook; leave grad_accum_dtype at bf16 or set terapipe.cuda_graphs false")
+    return None
+
+
+class CapturedBlocks:
+    """Consecutive ``DecoderBlock``s of a stage as one callable in the stage's ``forward_funcs``.
+
+    The engine sets ``unit`` = (m, j) before each forward and calls ``prepare`` once, before the
+    first training forward, with the stage's unit order and shapes."""
+
+    def __init__(self, blocks: list[DecoderBlock], capture: bool | None = None):
+        self.blocks = blocks
+        self.ctx = blocks[0].ctx
+        self.capture = capture
+        self.unit: tuple[int, int] | None = None
+        self.graphs: UnitGraphs | None = None
+        self.first: tuple[int, int] | None = None   # the step's first unit (its forward re-attaches .grad)
+        self.kept: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # an input that requires grad: the unit's output then does too, and its backward runs, even
+        # where the blocks' input does not (a frozen embedding under LoRA)
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    def prepare(self, order, shapes, offsets, seq_len: int, device, dtype) -> None:
+        """Capture (or, without CUDA, set up) every unit of ``order`` (("F" | "B", m, j), the schedule's);
+        ``shapes[m][j]`` the input of unit (m, j), ``offsets[j]`` = (start, length)."""
+        saved = self.ctx.state()
+        run_forward, begin_backward, _ = layer_callbacks(self.blocks, self.ctx, offsets)
+        params = [p for block in self.blocks for p in block.parameters()]
+        try:
+            self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
+                                     capture=self.capture)
+        finally:
+            self.ctx.restore(saved)
+        self.kept = [(p, p.grad) for p in self.graphs.params]
+        self.first = order[0][1:]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.graphs is None or not torch.is_grad_enabled():
+            for block in self.blocks:
+                hidden = block(hidden)
+            return hidden
+        if self.ctx.segments is not None:
+            raise ValueError("terapipe.cuda_graphs: packed examples (several per row) change the attention of "
+                             "every microbatch, which captured graphs cannot; set terapipe.cuda_graphs false")
+        if self.unit == self.first and self.graphs.cursor == 0:
+            self._reattach()
+        return _Replay.apply(hidden, self.anchor, self, self.unit)
+
+    def _reattach(self) -> None:
+        """The captured ``.grad`` tensors back on their parameters, zeroed (the step's first unit)."""
+        grads = [grad for _, grad in self.kept]
+        torch._foreach_zero_(grads)
+        for param, grad in self.kept:
+            if param.grad is not grad:
+                param.grad = grad
+
+    def run(self, kind: str, unit, tensor: torch.Tensor) -> torch.Tensor:
+        """Unit ``unit``'s forward ("F": output for input ``tensor``) or backward ("B": input gradient
+        for output gradient ``tensor``), the stage's slice context left as it was."""
+        saved = self.ctx.state()
+        try:
+            if kind == "F":
+                return self.graphs.forward(*unit, tensor)
+            return self.graphs.backward(*unit, tensor)
+        finally:
+            self.ctx.restore(saved)
+
+
+class _Replay(torch.autograd.Function):
+    """Unit (m, j) of ``CapturedBlocks``: forward and backward replayed (or run eagerly without CUDA)."""
+
+    @staticmethod
+    def forward(ctx, hidden, anchor, blocks: CapturedBlocks, unit):
+        ctx.blocks, ctx.unit = blocks, unit
+        with torch.enable_grad():   # the eager stand-in builds its own autograd graph
+            out = blocks.run("F", unit, hidden)
+        return out.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = ctx.blocks.run("B", ctx.unit, grad_out.contiguous())
+        return (grad_in.clone() if ctx.needs_input_grad[0] else None), None, None, None
+
+
+def capture_blocks(forward_funcs: list, capture: bool | None = None) -> CapturedBlocks | None:
+    """Replace the run of ``DecoderBlock``s in ``forward_funcs`` (in place) by one ``CapturedBlocks``;
+    None when the stage has no decoder block. The blocks stay registered where they were (parameter
+    names, checkpoints unchanged)."""
+    indices = [i for i, f in enumerate(forward_funcs) if isinstance(f, DecoderBlock)]
+    if not indices:
+        return None
+    if indices != list(range(indices[0], indices[-1] + 1)):
+        raise ValueError("terapipe.cuda_graphs: the stage's decoder blocks are not consecutive")
+    blocks = CapturedBlocks([forward_funcs[i] for i in indices], capture)
+    forward_funcs[indices[0]:indices[-1] + 1] = [blocks]
+    return blocks
