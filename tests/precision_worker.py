@@ -72,10 +72,12 @@ def scheduled_w_runs() -> dict:
     for name in pc.CASES:
         for scheduled in (True, False):
             out[f"{name}@{'W' if scheduled else 'B'}"] = train(name, scheduled)
+    for name in GRAPHS_CASES:   # the blocks through model/captured_blocks.py (eager units on a CPU)
+        out[f"{name}@graphs"] = train(name, True, cuda_graphs=True)
     return out
 
 
-def train(name: str, scheduled_w: bool) -> dict:
+def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
     import exactness_cases as ec
     import precision_cases as pc
     from _gpu_worker import forced_overflow_of
@@ -83,7 +85,9 @@ def train(name: str, scheduled_w: bool) -> dict:
     from tp_trainer.initialize import initialize
     from tp_trainer.model.pipeline import hf_named_parameters
     case = pc.case(name)
-    engine, *_ = initialize(ec.tiny_model(case["tied"]), pc.ds_config(name, scheduled_w))
+    config = pc.ds_config(name, scheduled_w)
+    config["terapipe"]["cuda_graphs"] = cuda_graphs
+    engine, *_ = initialize(ec.tiny_model(case["tied"]), config)
     named = hf_named_parameters(engine.module)
     counter = pc.PassCounter(engine)
     grads = {}
@@ -109,13 +113,14 @@ def train(name: str, scheduled_w: bool) -> dict:
               "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,
               "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
               "steps": int(engine.global_steps)}
-    if scheduled_w and name in OVERFLOW_CASES:
+    if scheduled_w and name in OVERFLOW_CASES and not cuda_graphs:
         result["overflow"] = forced_overflow_of(engine, "transformer.h.0.mlp.c_fc.weight",
                                                 lambda step: ec.batches(case, step), pc.STEPS, loss_scale_of)
     return result
 
 
 OVERFLOW_CASES = ("fp16-gpipe-z0", "bf16-gpipe-z0")
+GRAPHS_CASES = ("fp16-gpipe-z0", "bf16-gpipe-z0")   # terapipe.cuda_graphs: ZeRO 0, bf16 buffers
 
 
 def master_grad(engine, param) -> torch.Tensor:

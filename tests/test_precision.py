@@ -188,6 +188,22 @@ def test_norm_weights_folded_once_per_step_equal_the_hooks_bit_for_bit(w_runs):
         assert torch.equal(with_w[name], in_b[name]), name
 
 
+@pytest.mark.parametrize("name", ("fp16-gpipe-z0", "bf16-gpipe-z0"))
+def test_captured_blocks_equal_the_backward_bit_for_bit(w_runs, name):
+    """terapipe.cuda_graphs (model/captured_blocks.py; its units run eagerly on a CPU): weight gradients
+    in B, accumulated in ``.grad`` over the step and, under the bf16 optimizer, folded once per step with
+    no DeepSpeed hook left: the same sums in the same order as weight gradients in B without it, so the
+    step-0 gradients and the losses are equal bit for bit."""
+    graphs, in_b = w_runs[f"{name}@graphs"], w_runs[f"{name}@B"]
+    assert graphs["weights_in_b"] == "terapipe.cuda_graphs: captured blocks"
+    assert graphs["losses"] == in_b["losses"]
+    assert graphs["grads"].keys() == in_b["grads"].keys()
+    for param, grad in in_b["grads"].items():
+        assert torch.equal(graphs["grads"][param], grad), param
+    if name.startswith("bf16"):
+        assert graphs["hook_calls"] == (0, 0) and graphs["passes_in_schedule"] == (0, 0), graphs["hook_calls"]
+
+
 @pytest.mark.parametrize("name", precision_worker_overflow := ("fp16-gpipe-z0", "bf16-gpipe-z0"))
 def test_an_inf_weight_gradient_made_in_w_skips_the_step(w_runs, name):
     holder, other = w_runs[f"{name}@W"]["overflow"]
