@@ -16,12 +16,17 @@ ORDER = [("F", 0, j) for j in range(len(SLICES))] + [("B", 0, j) for j in revers
 
 
 def stage(hf):
-    """(forward_funcs with the blocks captured, the CapturedBlocks, the slice context)."""
+    """(a stage's forward, the CapturedBlocks of its blocks, the slice context)."""
     ctx = SliceContext("sdpa")
     funcs = [DecoderBlock(b, f"transformer.h.{i}", ctx) for i, b in enumerate(hf.transformer.h)]
     blocks = capture_blocks(funcs)
     blocks.prepare(ORDER, [[(1, l, 16) for _, l in SLICES]], SLICES, 16, "cpu", torch.float64)
-    return funcs, blocks, ctx
+
+    def forward(hidden):   # as PipelineModule.forward runs forward_funcs
+        for func in funcs:
+            hidden = func(hidden)
+        return hidden
+    return forward, blocks, ctx
 
 
 def test_two_steps_equal_the_whole_sequence():
@@ -29,8 +34,8 @@ def test_two_steps_equal_the_whole_sequence():
     x = torch.randn(1, 16, 16, dtype=torch.float64)
     gy = torch.randn_like(x)
     want_out, want_dx, want_grads = whole(hf, x, gy)
-    funcs, blocks, ctx = stage(hf)
-    assert funcs == [blocks] and not blocks.graphs.captured
+    forward, blocks, ctx = stage(hf)
+    assert not blocks.graphs.captured
     params = list(hf.transformer.h.parameters())
     kept = [p.grad for p in params]
     for _ in range(2):
@@ -42,7 +47,7 @@ def test_two_steps_equal_the_whole_sequence():
             cache = ctx.cache
             blocks.unit = (0, j)
             leaves.append(x[:, start:start + length].clone().requires_grad_())
-            outs.append(funcs[0](leaves[-1]))
+            outs.append(forward(leaves[-1]))
             assert ctx.cache is cache and ctx.start == start   # the units' own K/V did not leak out
         for j in reversed(range(len(SLICES))):
             start, length = SLICES[j]
@@ -60,23 +65,23 @@ def test_without_gradients_the_blocks_run_eagerly():
     hf = model()
     x = torch.randn(1, 16, 16, dtype=torch.float64)
     want_out = whole(hf, x, torch.zeros_like(x))[0]
-    funcs, blocks, ctx = stage(hf)
+    forward, blocks, ctx = stage(hf)
     kv, outs = SequenceKV(16), []
     with torch.no_grad():
         for j, (start, length) in enumerate(SLICES):
             ctx.begin(kv, start, length)
             blocks.unit = (0, j)
-            outs.append(funcs[0](x[:, start:start + length]))
+            outs.append(forward(x[:, start:start + length]))
     torch.testing.assert_close(torch.cat(outs, 1), want_out, rtol=1e-12, atol=1e-12)
     assert blocks.graphs.cursor == 0 and kv.layers   # the eager blocks wrote the engine's store
 
 
 def test_packed_examples_are_refused():
-    funcs, blocks, ctx = stage(model())
+    forward, blocks, ctx = stage(model())
     ctx.begin(SequenceKV(16, segments=object()), 0, 5)
     blocks.unit = (0, 0)
     with pytest.raises(ValueError, match="terapipe.cuda_graphs: packed examples"):
-        funcs[0](torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True))
+        forward(torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True))
 
 
 def test_capture_blocks_takes_one_run_of_blocks():
@@ -84,7 +89,11 @@ def test_capture_blocks_takes_one_run_of_blocks():
     ctx = SliceContext("sdpa")
     first, second = (DecoderBlock(b, f"transformer.h.{i}", ctx) for i, b in enumerate(hf.transformer.h))
     assert capture_blocks(["embed", "head"]) is None
-    funcs = ["embed", first, second, "head"]
-    assert isinstance(capture_blocks(funcs), CapturedBlocks) and funcs[0] == "embed" and funcs[2] == "head"
     with pytest.raises(ValueError, match="not consecutive"):
         capture_blocks([first, "norm", second])
+    funcs = ["embed", first, second, "head"]
+    blocks = capture_blocks(funcs)
+    # forward_funcs unchanged (DeepSpeed names each layer's checkpoint file by its index there): the first
+    # block's call runs the captured run, the second passes its output on
+    assert isinstance(blocks, CapturedBlocks) and funcs == ["embed", first, second, "head"]
+    assert first.replay is blocks and second(torch.ones(1)) == 1

@@ -71,7 +71,6 @@ def test_matches_hf(pipeline_results, case):
                   "mlp": {"AttentionHalf", "SharedMLP"}}[case["shared_half"]]
         assert (halves <= types) == bool(case["split"]), (key, sorted(types))
         # terapipe.cuda_graphs: the blocks ran as units of model/captured_blocks.py (eagerly on a CPU)
-        assert ("CapturedBlocks" in types) == ("DecoderBlock" not in types) == case["graphs"], (key, sorted(types))
         assert (pipeline_results[f"{case['name']}@{key}"]["captured_units"] > 0) == case["graphs"], key
     if case["same_as"]:  # checkpointing, cut blocks, W in the backward change nothing: same loss and grads
         for key in case["dtypes"]:

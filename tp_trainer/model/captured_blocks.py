@@ -1,5 +1,9 @@
 """The engine's decoder blocks run unit by unit through ``capture.UnitGraphs`` (``terapipe.cuda_graphs``).
 
+The blocks stay where they are in the stage's ``forward_funcs`` (DeepSpeed names its checkpoint files
+by that list's index); the first block's call runs the whole captured run (``DecoderBlock.replay``),
+the others pass its output on.
+
 Each unit (microbatch m, slice j) of a stage runs its consecutive decoder blocks as CUDA graphs
 captured once, in the schedule's order, and replayed every step (``capture.py``); the layers before
 and after them (embedding, final norm, head, loss) and everything DeepSpeed does stay eager. Between
@@ -47,7 +51,7 @@ def refusal(*, zero_stage: int, checkpointing: bool, hooked_params: bool) -> str
 
 
 class CapturedBlocks:
-    """Consecutive ``DecoderBlock``s of a stage as one callable in the stage's ``forward_funcs``.
+    """Consecutive ``DecoderBlock``s of a stage run as one (called by the first block's ``replay``).
 
     The engine sets ``unit`` = (m, j) before each forward and calls ``prepare`` once, before the
     first training forward, with the stage's unit order and shapes."""
@@ -68,7 +72,7 @@ class CapturedBlocks:
         """Capture (or, without CUDA, set up) every unit of ``order`` (("F" | "B", m, j), the schedule's);
         ``shapes[m][j]`` the input of unit (m, j), ``offsets[j]`` = (start, length)."""
         saved = self.ctx.state()
-        run_forward, begin_backward, _ = layer_callbacks(self.blocks, self.ctx, offsets)
+        run_forward, begin_backward, _ = layer_callbacks([b.run_slice for b in self.blocks], self.ctx, offsets)
         params = [p for block in self.blocks for p in block.parameters()]
         try:
             self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
@@ -81,7 +85,7 @@ class CapturedBlocks:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.graphs is None or not torch.is_grad_enabled():
             for block in self.blocks:
-                hidden = block(hidden)
+                hidden = block.run_slice(hidden)
             return hidden
         if self.ctx.segments is not None:
             raise ValueError("terapipe.cuda_graphs: packed examples (several per row) change the attention of "
@@ -127,14 +131,22 @@ class _Replay(torch.autograd.Function):
 
 
 def capture_blocks(forward_funcs: list, capture: bool | None = None) -> CapturedBlocks | None:
-    """Replace the run of ``DecoderBlock``s in ``forward_funcs`` (in place) by one ``CapturedBlocks``;
-    None when the stage has no decoder block. The blocks stay registered where they were (parameter
-    names, checkpoints unchanged)."""
+    """The run of ``DecoderBlock``s in ``forward_funcs`` as one ``CapturedBlocks``, run by the first
+    block's call (the others pass its output on); None when the stage has no decoder block.
+    ``forward_funcs`` is left as it is (parameter names, DeepSpeed's checkpoint files unchanged)."""
     indices = [i for i, f in enumerate(forward_funcs) if isinstance(f, DecoderBlock)]
     if not indices:
         return None
     if indices != list(range(indices[0], indices[-1] + 1)):
         raise ValueError("terapipe.cuda_graphs: the stage's decoder blocks are not consecutive")
     blocks = CapturedBlocks([forward_funcs[i] for i in indices], capture)
-    forward_funcs[indices[0]:indices[-1] + 1] = [blocks]
+    first, *rest = blocks.blocks
+    first.replay = blocks
+    for block in rest:
+        block.replay = _pass_on
     return blocks
+
+
+def _pass_on(hidden: torch.Tensor) -> torch.Tensor:
+    """A captured run's later block: the first block's call ran it already."""
+    return hidden

@@ -215,6 +215,9 @@ class DecoderBlock(HFPart):
         # SDPA attention modules dispatch to attention.slice_attention_forward, given a SliceSpan
         self.spans = ctx.attn_implementation != "eager" and redirect(inner)
         self.fused = None   # fuse(): what runs the HF block with the fused K/V append + attention
+        # model.captured_blocks: what this block's call runs instead (the whole captured run on its
+        # first block, a pass-through on the others); None: the block itself (``run_slice``)
+        self.replay = None
 
     def fuse(self, runner=None) -> None:
         """Run plain causal slices through ``slice_op``'s fused K/V append + attention, the HF block
@@ -227,6 +230,10 @@ class DecoderBlock(HFPart):
         self.fused = runner if runner is not None else self.inner
 
     def forward(self, hidden):
+        return self.run_slice(hidden) if self.replay is None else self.replay(hidden)
+
+    def run_slice(self, hidden):
+        """The HF block on the current slice (fused or default path)."""
         if self.fused is not None and self.takes_fused():
             out = self.fused(hidden, **self.fused_kwargs(hidden))
         else:
