@@ -14,7 +14,8 @@ Steps (each result says which device it ran on; a step that cannot run here says
      measured costs; simulated pipelines of 2, 4 and 8 stages; a whole 1-stage engine step (embedding,
      the Llama pair, head, loss, optimizer) at 1 and 8 slices, blocks eager and captured
      (``terapipe.cuda_graphs``, ``_gpu_stage.py``). On a CPU: two tiny sets, eager only.
-     ``--quick``: this step only, at 1, 8 and 32 slices (about 3 minutes on an H100).
+     ``--quick``: this step only, at 1, 8 and 32 slices (about 3 minutes on an H100 without the engine
+     step, which has not run on a GPU yet).
   engine  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
      harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;
      2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
