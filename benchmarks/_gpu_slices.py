@@ -230,6 +230,8 @@ def engine_step_lines(step: dict) -> list[str]:
             r = next((r for r in recs if r["slices"] == s and r["blocks"] == mode), None)
             cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(whole.get(mode) and r['ms'] / whole[mode])}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- weight gradients, blocks {mode}: {next(r['weight_grads'] for r in recs if r['blocks'] == mode)}"
+                     for mode in ("eager", "captured") if any(r["blocks"] == mode for r in recs)]
     for name, err in step.get("errors", {}).items():
         lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-1500:], "```"]
     return lines + [""]

@@ -11,7 +11,10 @@ AdamW), gpipe, 1 and 8 uniform slices. ``--tiny`` (a CPU, in the tests): a Llama
 128, fp32, 1 and 4 slices; the captured blocks then run eagerly through the same object. Each variant
 is a fresh engine from the same seed; ``ms`` is the median wall time of ``train_batch`` (the device
 synchronized before and after) over REPEATS steps after WARMUP, ``loss`` the last step's loss.
-Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss"}], "errors"}.
+Weight gradients as the engine runs them by default (``defer_weight_grads``): scheduled W's with the
+blocks eager; with them captured, the blocks' once per sequence inside their graphs (``weight_grads``
+says which). Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss",
+"weight_grads"}], "errors"}.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def measure(label: str) -> dict:
                 engine, *_ = initialize(meta_model(config), ds_config(seq_len, slices, captured, precision), seed=1)
                 ms, loss = timed_steps(engine, vocab, seq_len)
                 out["records"].append({"slices": slices, "blocks": "captured" if captured else "eager",
-                                       "ms": ms, "loss": loss})
+                                       "ms": ms, "loss": loss, "weight_grads": engine.weight_grads_mode})
                 print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
                       flush=True)
             except Exception:  # noqa: BLE001 -- the other variants still run

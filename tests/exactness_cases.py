@@ -47,9 +47,10 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
-    if stages <= 2:  # the blocks through model/captured_blocks.py (terapipe.cuda_graphs; eager units on a CPU)
-        out += [_case(stages, 3, "uneven", tied, schedule, graphs=True)
-                for tied, schedule in ((True, "1f1b"), (False, "gpipe"))[:stages]]
+    if stages <= 2:  # the blocks through model/captured_blocks.py (terapipe.cuda_graphs; eager units on a
+        # CPU), their weight gradients merged per sequence (defer_weight_grads) or in B (-nozb)
+        out += [_case(stages, 3, "uneven", tied, schedule, graphs=True, zb=zb)
+                for tied, schedule, zb in ((True, "1f1b", True), (False, "gpipe", False))[:stages]]
     if stages > 1:  # LoRA (tests/lora_cases.py): adapters with non-zero B, base weights frozen
         out += lora_cases(stages)
     if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,

@@ -124,11 +124,11 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
             "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
-            "captured_units": _captured_units(engine),
+            "captured_units": captured_units(engine),
             "inspect": inspect(engine) if inspect is not None else None}
 
 
-def _captured_units(engine) -> int:
+def captured_units(engine) -> int:
     """Units the stage's ``CapturedBlocks`` prepared (terapipe.cuda_graphs), 0 without them."""
     graphs = getattr(getattr(engine, "captured", None), "graphs", None)
     return len(graphs.order) if graphs is not None else 0

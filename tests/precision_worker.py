@@ -72,13 +72,14 @@ def scheduled_w_runs() -> dict:
     for name in pc.CASES:
         for scheduled in (True, False):
             out[f"{name}@{'W' if scheduled else 'B'}"] = train(name, scheduled)
-    for name in GRAPHS_CASES:   # the blocks through model/captured_blocks.py (eager units on a CPU)
-        out[f"{name}@graphs"] = train(name, True, cuda_graphs=True)
+    for name in GRAPHS_CASES:   # the blocks through model/captured_blocks.py (eager units on a CPU), W in B
+        out[f"{name}@graphs"] = train(name, False, cuda_graphs=True)
     return out
 
 
 def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
     import exactness_cases as ec
+    import pipeline_harness
     import precision_cases as pc
     from _gpu_worker import forced_overflow_of
 
@@ -112,7 +113,7 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
               "passes_in_schedule": counter.in_schedule, "passes_in_step": counter.in_step,
               "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,
               "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
-              "steps": int(engine.global_steps)}
+              "steps": int(engine.global_steps), "captured_units": pipeline_harness.captured_units(engine)}
     if scheduled_w and name in OVERFLOW_CASES and not cuda_graphs:
         result["overflow"] = forced_overflow_of(engine, "transformer.h.0.mlp.c_fc.weight",
                                                 lambda step: ec.batches(case, step), pc.STEPS, loss_scale_of)

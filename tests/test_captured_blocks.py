@@ -15,11 +15,11 @@ from tp_trainer.model.slice_cache import SequenceKV
 ORDER = [("F", 0, j) for j in range(len(SLICES))] + [("B", 0, j) for j in reversed(range(len(SLICES)))]
 
 
-def stage(hf):
+def stage(hf, merged_weights: bool = False):
     """(a stage's forward, the CapturedBlocks of its blocks, the slice context)."""
     ctx = SliceContext("sdpa")
     funcs = [DecoderBlock(b, f"transformer.h.{i}", ctx) for i, b in enumerate(hf.transformer.h)]
-    blocks = capture_blocks(funcs)
+    blocks = capture_blocks(funcs, merged_weights=merged_weights)
     blocks.prepare(ORDER, [[(1, l, 16) for _, l in SLICES]], SLICES, 16, "cpu", torch.float64)
 
     def forward(hidden):   # as PipelineModule.forward runs forward_funcs
@@ -29,12 +29,15 @@ def stage(hf):
     return forward, blocks, ctx
 
 
-def test_two_steps_equal_the_whole_sequence():
+@pytest.mark.parametrize("merged_weights", [False, True], ids=["in B", "once per sequence"])
+def test_two_steps_equal_the_whole_sequence(merged_weights):
+    """Weight gradients made in B, or kept and merged into one product per weight in the first slice's
+    backward (the last to run)."""
     hf = model()
     x = torch.randn(1, 16, 16, dtype=torch.float64)
     gy = torch.randn_like(x)
     want_out, want_dx, want_grads = whole(hf, x, gy)
-    forward, blocks, ctx = stage(hf)
+    forward, blocks, ctx = stage(hf, merged_weights)
     assert not blocks.graphs.captured
     params = list(hf.transformer.h.parameters())
     kept = [p.grad for p in params]

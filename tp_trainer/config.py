@@ -73,7 +73,9 @@ class TeraPipeConfig:
     """Run each stage's decoder blocks as CUDA graphs, one forward and one backward graph per unit
     (microbatch, slice), captured at the first step in the schedule's order and replayed after it
     (model/captured_blocks.py): no host time per block and slice. Embedding, head, loss and
-    DeepSpeed's step stay eager; weight gradients run inside B. Needs ZeRO stage 0, no activation
+    DeepSpeed's step stay eager. Weight gradients: with defer_weight_grads (the default) the blocks'
+    are made once per sequence, one product per weight inside the captured backward of each
+    microbatch's first slice, and the other layers' in B; without it all in B. Needs ZeRO stage 0, no activation
     checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
     order (what the CPU tests check). Off by default until a GPU measures it in the engine."""

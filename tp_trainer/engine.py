@@ -90,7 +90,8 @@ class TeraPipeEngine(PipelineEngine):
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         self.master_grads = ds_compat.fold_as_made(self)  # bf16: gradients into the optimizer's buffers as made
         # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
-        self.captured = capture_blocks(self.module.forward_funcs) if cuda_graphs else None
+        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=defer_weight_grads)
+                         if cuda_graphs else None)
         if self.captured is not None and self.master_grads is not None:
             self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
         model_dtype, accumulation_dtype = self.get_data_types()
@@ -140,6 +141,8 @@ class TeraPipeEngine(PipelineEngine):
     @property
     def weight_grads_mode(self) -> str:
         """How weight gradients run, for the ``plan:`` log line."""
+        if self.captured is not None and self.captured.merged_weights:
+            return "the blocks' once per sequence inside their captured graphs, the rest in B (terapipe.cuda_graphs)"
         return "W" if self.weight_grads_in_b is None else f"in B ({self.weight_grads_in_b})"
 
     # ----------------------------------------------------------------------------- the step
