@@ -24,6 +24,9 @@ of ``--reps`` rounds; the figures are the median over rounds and their min-max.
     eager_ops_per_block_slice     ATen ops per block and slice on the default path, forward + backward
                                   (a ``TorchDispatchMode`` counting every op over one step: (N_S - N_1) / (S - 1) / 2)
     graph_breaks                  ``torch._dynamo.explain`` of the ``BlockRun`` region on a middle slice
+    aten_us_per_block_slice       {"eager", "compiled"}: the ATen ops' own time in it (torch.profiler's self
+                                  CPU time of every ``aten::`` op over 10 steps at 1 and S slices, the same
+                                  difference): the floor that no host-side change removes
     compiled_to_eager             compiled / eager per round (the two take turns in each round), median and min-max
 Goal: compiled per-slice overhead at most a third of the eager one. Runs in ~2 min on 2 cores (compiling).
 """
@@ -123,6 +126,15 @@ def graph_breaks(run: BlockRun, ctx) -> int:
     return torch._dynamo.explain(_run_blocks)(*run.region_args(torch.randn(1, SEQ // 4, WIDTH))).graph_break_count
 
 
+def aten_seconds(step, steps: int = 10) -> float:
+    """Seconds of one ``step`` spent in ATen ops themselves (profiler self time of ``aten::`` events)."""
+    from torch.profiler import profile
+    with profile() as prof:
+        for _ in range(steps):
+            step()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / steps / 1e6
+
+
 def per_slice(times: dict, slices: int) -> float:
     return (times[slices] - times[1]) / (slices - 1) / LAYERS * 1e6
 
@@ -158,12 +170,14 @@ def measure(args) -> dict:
         for name, step in runs.items():
             times = {s: step_time(lambda: step(s), args.steps) for s in (1, S)}
             rounds[name].append(per_slice(times, S))
+    # before graph_breaks: torch._dynamo.explain leaves the region to compile again
+    aten = {name: per_slice({s: aten_seconds(lambda: runs[name](s)) for s in (1, S)}, S) for name in ("eager", "compiled")}
     out = {"hf_us_per_block": statistics.median(rounds["hf"]),
            "eager_us_per_block_slice": statistics.median(rounds["eager"]),
            "compiled_us_per_block_slice": statistics.median(rounds["compiled"]),
            "compiled_per_block_us_per_block_slice": statistics.median(rounds["compiled_per_block"]),
            "eager_ops_per_block_slice": (ops[S] - ops[1]) / (S - 1) / LAYERS,
-           "graph_breaks": graph_breaks(run, run_ctx)}
+           "graph_breaks": graph_breaks(run, run_ctx), "aten_us_per_block_slice": aten}
     out["compiled_to_eager"] = summary([c / e for c, e in zip(rounds["compiled"], rounds["eager"])])  # paired per round
     out["spread"] = {name: summary(values) for name, values in rounds.items()}
     out["settings"] = {"slices": S, "reps": args.reps, "steps": args.steps, "compile_s": round(compile_s, 1),
@@ -186,6 +200,8 @@ def main(argv=None) -> dict:
           f"({out['eager_ops_per_block_slice']:.0f} ATen ops), compiled {compiled:.1f} us ({compiled / eager:.2f}x; "
           f"goal <= 0.33x), a region per block {out['compiled_per_block_us_per_block_slice']:.1f} us; "
           f"paired ratio {out['compiled_to_eager']['median']:.2f}; graph breaks {out['graph_breaks']}; "
+          f"ATen ops' own time per block and slice: eager {out['aten_us_per_block_slice']['eager']:.0f} us, "
+          f"compiled {out['aten_us_per_block_slice']['compiled']:.0f} us; "
           f"load {out['settings']['load']:.2f}")
     if args.json:
         with open(args.json, "w") as handle:
