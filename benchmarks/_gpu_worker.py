@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 
 import torch
 
@@ -60,7 +61,6 @@ def run_exact(out_dir: str) -> None:
             try:
                 results[f"{case['name']}@{key}"] = exactness_worker.run_case(case, dtype)
             except Exception:  # noqa: BLE001 -- reported by step 1 as this case's error
-                import traceback
                 errors[f"{case['name']}@{key}"] = traceback.format_exc()[-1500:]
     harness.save_rank(results, graphs_dir)
     with open(os.path.join(graphs_dir, "errors.json"), "w", encoding="utf-8") as handle:

@@ -114,7 +114,7 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
               "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,
               "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
               "steps": int(engine.global_steps), "captured_units": pipeline_harness.captured_units(engine)}
-    if scheduled_w and name in OVERFLOW_CASES and not cuda_graphs:
+    if scheduled_w and name in OVERFLOW_CASES:
         result["overflow"] = forced_overflow_of(engine, "transformer.h.0.mlp.c_fc.weight",
                                                 lambda step: ec.batches(case, step), pc.STEPS, loss_scale_of)
     return result

@@ -26,7 +26,7 @@ slices of the Llama pair took 51.1 against 55.7 ms with them in B, GPT-2 medium 
 benchmarks/results/gpu/h100); without it they are made in B. Either way inside the graphs: no W
 instruction. Nothing per backward may run as Python inside a graph (it would run at capture only),
 so the engine refuses what hooks each parameter (``refusal``). Without
-CUDA (``capture=False``) the same object runs every unit eagerly in the same order: the mechanics
+CUDA the same object runs every unit eagerly in the same order: the mechanics
 above (order, K/V ownership, the kept gradients) are what the CPU tests check. A forward without
 gradients (evaluation) runs the blocks eagerly.
 """
@@ -62,14 +62,12 @@ class CapturedBlocks:
     The engine sets ``unit`` = (m, j) before each forward and calls ``prepare`` once, before the
     first training forward, with the stage's unit order and shapes."""
 
-    def __init__(self, blocks: list[DecoderBlock], capture: bool | None = None, merged_weights: bool = False):
+    def __init__(self, blocks: list[DecoderBlock], merged_weights: bool = False):
         self.blocks = blocks
         self.merged_weights = merged_weights
         self.ctx = blocks[0].ctx
-        self.capture = capture
         self.unit: tuple[int, int] | None = None
-        self.graphs: UnitGraphs | None = None
-        self.first: tuple[int, int] | None = None   # the step's first unit (its forward re-attaches .grad)
+        self.graphs: UnitGraphs | None = None   # captured on CUDA, else run eagerly unit by unit
         self.kept: list[tuple[nn.Parameter, torch.Tensor]] = []
         # an input that requires grad: the unit's output then does too, and its backward runs, even
         # where the blocks' input does not (a frozen embedding under LoRA)
@@ -87,11 +85,10 @@ class CapturedBlocks:
         params = [p for block in self.blocks for p in block.parameters()]
         try:
             self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
-                                     capture=self.capture, end_backward=end_backward)
+                                     end_backward=end_backward)
         finally:
             self.ctx.restore(saved)
         self.kept = [(p, p.grad) for p in self.graphs.params]
-        self.first = order[0][1:]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.graphs is None or not torch.is_grad_enabled():
@@ -101,7 +98,7 @@ class CapturedBlocks:
         if self.ctx.segments is not None:
             raise ValueError("terapipe.cuda_graphs: packed examples (several per row) change the attention of "
                              "every microbatch, which captured graphs cannot; set terapipe.cuda_graphs false")
-        if self.unit == self.first and self.graphs.cursor == 0:
+        if self.graphs.cursor == 0:   # the step's first unit (UnitGraphs refuses any other here)
             self._reattach()
         return _Replay.apply(hidden, self.anchor, self, self.unit)
 
@@ -141,8 +138,7 @@ class _Replay(torch.autograd.Function):
         return (grad_in.clone() if ctx.needs_input_grad[0] else None), None, None, None
 
 
-def capture_blocks(forward_funcs: list, capture: bool | None = None, merged_weights: bool = False
-                   ) -> CapturedBlocks | None:
+def capture_blocks(forward_funcs: list, merged_weights: bool = False) -> CapturedBlocks | None:
     """The run of ``DecoderBlock``s in ``forward_funcs`` as one ``CapturedBlocks``, run by the first
     block's call (the others pass its output on); None when the stage has no decoder block.
     ``forward_funcs`` is left as it is (parameter names, DeepSpeed's checkpoint files unchanged)."""
@@ -151,7 +147,7 @@ def capture_blocks(forward_funcs: list, capture: bool | None = None, merged_weig
         return None
     if indices != list(range(indices[0], indices[-1] + 1)):
         raise ValueError("terapipe.cuda_graphs: the stage's decoder blocks are not consecutive")
-    blocks = CapturedBlocks([forward_funcs[i] for i in indices], capture, merged_weights)
+    blocks = CapturedBlocks([forward_funcs[i] for i in indices], merged_weights)
     first, *rest = blocks.blocks
     first.replay = blocks
     for block in rest:
