@@ -7,7 +7,9 @@ For each: one sequence (batch 1) as S uniform slices, S = 1 .. 32, forwards in o
 in reverse, through the pipeline's own layers (``DecoderBlock`` over a ``SliceContext``; on CUDA in
 bf16 the slices attend through the flash kernel, ``attention.flash_slice_attention``):
   eager     the layers run slice by slice from Python, as the engine runs them;
-  captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``).
+  captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``);
+  compiled  (a variant's flag) each HF block under ``torch.compile`` around its attention
+            (``model.compiled_blocks``; inductor on a GPU, aot_eager on a CPU: the plumbing, not a timing).
 Against ``whole_hf_ms`` (HF's blocks on the whole sequence, eager: what DeepSpeed's own pipeline
 runs) and ``whole_captured_ms`` (the whole sequence as one slice through the same capture: what
 slicing costs by itself). Times are device time from one event before the step to one after it
@@ -23,11 +25,13 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 
 from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
 from tp_trainer.model.capture import WEIGHT_MODES
+from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 
 from _gpu_cost import uniform_offsets
 
@@ -86,12 +90,31 @@ def wrap(model):
     return layers, ctx, whole
 
 
-def variants(device) -> list[tuple[bool, str, str]]:
-    """(captured, weight gradients, attention kernel) of each timed variant."""
+class Variant(NamedTuple):
+    """One timed way to run the blocks: captured or eager, where the weight gradients are made, the
+    attention kernel on CUDA, and whether the blocks are compiled around their attention."""
+    captured: bool
+    weights: str
+    kernel: str
+    compiled: bool = False
+
+
+def variants(device, compiled: bool = True) -> list[Variant]:
+    """The variants timed on ``device``; the compiled one (``compiled``) last: its compile costs the
+    others nothing."""
     if device.type != "cuda":
-        return [(False, "in B", "auto")]
-    return ([(False, "in B", "auto")] + [(True, w, "cudnn") for w in WEIGHT_MODES]
-            + [(True, "W per sequence", "flash"), (True, "W per sequence", "auto")])
+        found = [Variant(False, "in B", "auto")]
+    else:
+        found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in WEIGHT_MODES]
+                 + [Variant(True, "W per sequence", "flash"), Variant(True, "W per sequence", "auto")])
+    if compiled:
+        found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
+    return found
+
+
+def compile_backend(device) -> str:
+    """inductor on a GPU; aot_eager on a CPU (seconds to compile rather than a minute: the plumbing)."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
 
 
 class SlicedRun:
@@ -100,13 +123,17 @@ class SlicedRun:
     ``weights``: where the decoder blocks' linear weight gradients are made: "in B" (autograd's
     backward, accumulated into ``.grad`` per slice), "W per slice" (deferred, ``addmm_`` into
     ``.grad`` right after each slice's backward) or "W per sequence" (deferred, one product per
-    weight over all slices after the last backward: ``DeferredWeightGrads.flush_merged``)."""
+    weight over all slices after the last backward: ``DeferredWeightGrads.flush_merged``).
+    ``compiled``: the blocks compiled around their attention (``compiled_blocks``) until ``close``."""
 
     def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
-                 weights: str = "in B"):
+                 weights: str = "in B", compiled: bool = False):
         from tp_trainer.model.capture import UnitGraphs, layer_callbacks
-        from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears
+        from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
         self.offsets = uniform_offsets(seq_len, slices)
+        self.layers = layers
+        if compiled:
+            compile_blocks(layers, compile_backend(device))
         order = [("F", 0, j) for j in range(slices)] + [("B", 0, j) for j in reversed(range(slices))]
         store = DeferredWeightGrads()
         self.deferred = [] if weights == "in B" else deferrable_linears([layer.inner for layer in layers])
@@ -114,13 +141,19 @@ class SlicedRun:
 
         run_forward, begin_backward, end_backward = layer_callbacks(layers, ctx, self.offsets, store, weights)
         shapes = [[(1, length, hidden) for _, length in self.offsets]]
-        self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
-                                 capture=captured, end_backward=end_backward)
+        try:
+            self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
+                                     capture=captured, end_backward=end_backward)
+        except BaseException:   # a failed capture leaves the layers as they were for the next variant
+            restore(self.deferred)
+            uncompile_blocks(layers)
+            raise
 
     def close(self) -> None:
         """Put the deferred layers' forward back."""
         from tp_trainer.model.weight_grad import restore
         restore(self.deferred)
+        uncompile_blocks(self.layers)
         self.graphs.close()
 
     def split(self, *sequences) -> list[list[torch.Tensor]]:
@@ -186,7 +219,7 @@ def fold_ms(params, device, repeats: int) -> float:
     return timed(passes, repeats, device)
 
 
-def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
+def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled: bool = True) -> dict:
     """The slice_cost records of one block set, the captured per-slice samples and its whole times."""
     family, hidden, heads, kv_heads, inter, blocks, seq_len = spec
     model = build_model(*spec, device, dtype)
@@ -204,34 +237,38 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log) -> dict:
     fold, parameters = fold_ms(params, device, repeats), sum(p.numel() for p in params)
     log(f"{label}: DeepSpeed's per-backward clear + fold over its {parameters / 1e6:.1f} M parameters: {fold:.3f} ms")
     records, samples, failures = [], {}, []
-    for mode_captured, weights, kernel in variants(device):
+    for variant in variants(device, compiled):
+        mode_captured, weights, kernel, compiled = variant
         use_kernel(kernel)
         for slices in slice_counts:
+            run = None
             try:
-                run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights)
+                run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights,
+                                compiled)
                 ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
                 if mode_captured and weights != "W per sequence" and kernel == "cudnn":
                     samples.setdefault(weights, []).extend(unit_samples(run, ins, gs))
             except Exception:  # noqa: BLE001 -- the other variants still run
-                failures.append(f"{label} captured={mode_captured} {weights} {slices} slices: "
-                                + traceback.format_exc()[-1500:])
+                if run is not None:
+                    run.close()
+                failures.append(f"{label} {variant} {slices} slices: " + traceback.format_exc()[-1500:])
                 log(failures[-1])
                 _free(device)
                 break
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
-                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "ms": ms,
-                            "whole_hf_ms": whole_hf})
-            log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}) {slices} "
-                f"slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
+                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compiled,
+                            "ms": ms, "whole_hf_ms": whole_hf})
+            log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
+                f"{', compiled' if compiled else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
             run.close()
             del run
             _free(device)
     use_kernel("auto")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
-        one = [o["ms"] for o in records if (o["mode"], o["weight_grads"], o["attention"], o["slices"]) ==
-               (r["mode"], r["weight_grads"], r["attention"], 1)]
+        one = [o["ms"] for o in records if (o["mode"], o["weight_grads"], o["attention"], o["compiled"], o["slices"]) ==
+               (r["mode"], r["weight_grads"], r["attention"], r["compiled"], 1)]
         r["whole_captured_ms"] = one[0] if one else None
     kernels, attn_bytes, profiles = {}, {}, {}
     try:

@@ -30,6 +30,7 @@ import torch
 import _gpu_capture as cap
 
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
+ENGINE_BLOCKS = ("eager", "captured", "captured, compiled")   # _gpu_stage.BLOCKS
 QUICK_COUNTS = (1, 8, 32)
 
 
@@ -52,14 +53,16 @@ def _run_whole(model, x, gy):
     return out.detach(), leaf.grad, _grads(params)
 
 
-def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto"):
+def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto",
+                compiled: bool = False):
     cap.use_kernel(kernel)
     layers, ctx, _ = cap.wrap(model)
     params = cap.block_params(model)
     dtype = params[0].dtype
     for p in params:
         p.grad = torch.zeros_like(p)
-    run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights)
+    run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights,
+                        compiled)
     ins, gs = run.split(x.to(dtype), gy.to(dtype))
     if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
         run.graphs.zero_grads()
@@ -69,7 +72,7 @@ def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B"
     return torch.cat([o.detach() for o in outs], 1), torch.cat(in_grads, 1), _grads(params)
 
 
-def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8) -> dict:
+def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: bool = True) -> dict:
     """Errors against float64 HF of HF and the sliced layers, fp32 and ``low_dtype``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -85,12 +88,15 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8) -> dict:
         variants = [("hf whole", lambda: _run_whole(model, x, gy)),
                     (f"{slices} slices eager", lambda: _run_sliced(model, x, gy, slices, False))]
         if device.type == "cuda":
-            variants += [(f"{slices} slices captured, {w}, {k}", lambda w=w, k=k: _run_sliced(model, x, gy, slices,
-                                                                                             True, w, k))
-                         for captured, w, k in cap.variants(device) if captured]
-        else:   # the deferred weight gradients' paths, eagerly
+            variants += [(f"{slices} slices captured, {v.weights}, {v.kernel}" + (", compiled" if v.compiled else ""),
+                          lambda v=v: _run_sliced(model, x, gy, slices, True, v.weights, v.kernel, v.compiled))
+                         for v in cap.variants(device, compiled) if v.captured]
+        else:   # the deferred weight gradients' paths and the compiled blocks' graph breaks, eagerly
             variants += [(f"{slices} slices eager, {w}", lambda w=w: _run_sliced(model, x, gy, slices, False, w))
                          for w in cap.WEIGHT_MODES[1:]]
+            variants += [] if not compiled else [(f"{slices} slices eager, {w}, compiled ({cap.compile_backend(device)})",
+                          lambda w=w: _run_sliced(model, x, gy, slices, False, w, compiled=True))
+                         for w in ("in B", "W per sequence")]
         for name, run in variants:
             got = run()
             errors = [_rel(a, b) for a, b in zip(got, ref)]
@@ -130,8 +136,9 @@ def simulate(cost, seq_len: int, whole_hf_ms: float, whole_captured_ms: float | 
     return rows
 
 
-def run(device, quick: bool, log, keep=None) -> dict:
-    """The whole slice step; every part's failure is recorded with its traceback, not raised."""
+def run(device, quick: bool, log, keep=None, compiled: bool = True) -> dict:
+    """The whole slice step; every part's failure is recorded with its traceback, not raised.
+    ``compiled``: also the variants with the blocks compiled around their attention."""
     gpu = device.type == "cuda"
     sets = cap.SETS if gpu else cap.CPU_SETS
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -143,15 +150,15 @@ def run(device, quick: bool, log, keep=None) -> dict:
     for label, spec in sets.items():
         try:
             exact_len = min(spec[-1], 1024)
-            out["exactness"][label] = exactness(spec, device, dtype, exact_len)
+            out["exactness"][label] = exactness(spec, device, dtype, exact_len, compiled=compiled)
             log(f"{label}: exactness at seq {exact_len}: {'passed' if out['exactness'][label]['passed'] else 'FAILED'}")
-            measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log)
+            measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log, compiled)
             out["slice_cost"] += measured["records"]
             out["fold"][label] = {"ms_per_slice": measured["fold_ms"], "parameters": measured["parameters"]}
             out["attention_kernels"][label] = measured["attention_kernels"]
             out["attention_bytes_per_slice"][label] = measured["attention_bytes_per_slice"]
             whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
-                                   if r["mode"] == "captured" and r["weight_grads"] == "in B"
+                                   if r["mode"] == "captured" and r["weight_grads"] == "in B" and not r["compiled"]
                                    and r["attention"] == "cudnn"), None)
             for weights, samples in measured["samples"].items():
                 chosen = plan(samples, spec[1], spec[-1])
@@ -169,18 +176,19 @@ def run(device, quick: bool, log, keep=None) -> dict:
         cap._free(device)
         if keep is not None:   # what was measured so far, should a later set not finish
             keep(out)
-    out["engine_step"] = engine_step(gpu, log)
+    out["engine_step"] = engine_step(gpu, log, compiled)
     return out
 
 
-def engine_step(gpu: bool, log) -> dict:
+def engine_step(gpu: bool, log, compiled: bool = True) -> dict:
     """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors"}; a rank that
     fails is recorded in "errors", not raised."""
     from multirank import run_ranks
     path = os.path.join(tempfile.mkdtemp(prefix="gpu_check_stage_"), "stage.json")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_stage.py")
     try:
-        for line in run_ranks(worker, 1, [path] + ([] if gpu else ["--tiny"]), timeout=1200)[0].splitlines():
+        args = [path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
+        for line in run_ranks(worker, 1, args, timeout=1200)[0].splitlines():
             if line.startswith("[gpu_check] engine step"):
                 log(line.removeprefix("[gpu_check] "))
         with open(path, encoding="utf-8") as handle:
@@ -200,7 +208,8 @@ def fold_lines(result: dict) -> list[str]:
     captured (a GPU), else eager, the first kernel recorded."""
     lines = []
     for label, fold in result.get("fold", {}).items():
-        recs = [r for r in result["slice_cost"] if r["model"] == label and r["weight_grads"] == "in B"]
+        recs = [r for r in result["slice_cost"]
+                if r["model"] == label and r["weight_grads"] == "in B" and not r.get("compiled")]
         mode = "captured" if any(r["mode"] == "captured" for r in recs) else "eager"
         recs = sorted((r for r in recs if r["mode"] == mode), key=lambda r: r["slices"])
         recs = [r for r in recs if r["attention"] == recs[0]["attention"]] if recs else []
@@ -215,26 +224,31 @@ def fold_lines(result: dict) -> list[str]:
 
 
 def engine_step_lines(step: dict) -> list[str]:
-    """The whole 1-stage engine step per slice count, blocks eager / captured, and / the same on 1 slice."""
+    """The whole 1-stage engine step per slice count, blocks eager / captured / captured and compiled,
+    and / the same on 1 slice."""
     recs = step.get("records", [])
     if not recs and not step.get("errors"):
         return []
     lines = [f"Whole 1-stage engine step (embedding, blocks, head, loss, optimizer; `_gpu_stage.py`), "
              f"{step.get('model')}, seq {step.get('seq_len')}, {step.get('dtype')}: ms a step (wall, median), "
-             "then / the same blocks mode on 1 slice.", "", "| slices | blocks eager | blocks captured |",
-             "|---|---|---|"]
+             "then / the same blocks mode on 1 slice.", "", "| slices | " + " | ".join(
+                 f"blocks {mode}" for mode in ENGINE_BLOCKS) + " |", "|---|" + "---|" * len(ENGINE_BLOCKS)]
     whole = {r["blocks"]: r["ms"] for r in recs if r["slices"] == 1}
     for s in sorted({r["slices"] for r in recs}):
         cells = []
-        for mode in ("eager", "captured"):
+        for mode in ENGINE_BLOCKS:
             r = next((r for r in recs if r["slices"] == s and r["blocks"] == mode), None)
             cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(whole.get(mode) and r['ms'] / whole[mode])}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += [""] + [f"- weight gradients, blocks {mode}: {next(r['weight_grads'] for r in recs if r['blocks'] == mode)}"
-                     for mode in ("eager", "captured") if any(r["blocks"] == mode for r in recs)]
+                     for mode in ENGINE_BLOCKS if any(r["blocks"] == mode for r in recs)]
     for name, err in step.get("errors", {}).items():
         lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-1500:], "```"]
     return lines + [""]
+
+
+def _variant_name(record: dict) -> str:
+    return f"{record['weight_grads']}, {record['attention']}" + (", compiled" if record.get("compiled") else "")
 
 
 def markdown(result: dict, device_name: str) -> str:
@@ -245,8 +259,8 @@ def markdown(result: dict, device_name: str) -> str:
              "pipeline runs); whole captured: the same sequence as one slice through the same capture.", ""]
     for label in dict.fromkeys(r["model"] for r in result["slice_cost"]):
         recs = [r for r in result["slice_cost"] if r["model"] == label]
-        by = {(r["mode"], f"{r['weight_grads']}, {r['attention']}", r["slices"]): r for r in recs}
-        variants = list(dict.fromkeys((r["mode"], f"{r['weight_grads']}, {r['attention']}") for r in recs))
+        by = {(r["mode"], _variant_name(r), r["slices"]): r for r in recs}
+        variants = list(dict.fromkeys((r["mode"], _variant_name(r)) for r in recs))
         lines += [f"**{label}**, seq {recs[0]['seq_len']}: whole HF {recs[0]['whole_hf_ms']:.2f} ms. Each cell: ms, "
                   "then / the same variant on the whole sequence (1 slice), then / whole HF.", "",
                   "| slices | " + " | ".join(f"{m} ({w})" for m, w in variants) + " |",

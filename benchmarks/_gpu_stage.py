@@ -1,9 +1,10 @@
 """gpu_check's engine step: a whole 1-stage training step through TeraPipeEngine (embedding, decoder
 blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eager against captured
-(``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``). One rank, started by
+(``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``) and captured with each block
+compiled around its attention (``terapipe.compile_blocks``: inductor; aot_eager on a CPU). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
 
-    _gpu_stage.py OUT_JSON [--tiny]
+    _gpu_stage.py OUT_JSON [--tiny] [--no_compiled]
 
 On a GPU: the Llama 7B-width pair (2 layers, width 4096, 32 heads, 8 KV heads, MLP 11008, vocabulary
 32000, ~0.62 B parameters) at seq 8192, batch 1, bf16 (DeepSpeed's bf16 optimizer, ZeRO 0, torch's
@@ -37,14 +38,18 @@ SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, (1, 8), "bf16"),
         "llama-w64": (64, 4, 2, 160, 2, 256, 128, (1, 4), "fp32")}
 
 
-def ds_config(seq_len: int, slices: int, captured: bool, precision: str) -> dict:
+# blocks: (terapipe.cuda_graphs, compiled), the compiled one last (its compile should not cost the others)
+BLOCKS = {"eager": (False, False), "captured": (True, False), "captured, compiled": (True, True)}
+
+
+def ds_config(seq_len: int, slices: int, captured: bool, precision: str, compiled: str | None = None) -> dict:
     # 1 microbatch x 1 sequence x seq_len tokens a step, one rank
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
               "pipeline": {"stages": 1},
               "terapipe": {"seq_len": seq_len, "slices": f"uniform:{slices}", "schedule": "gpipe",
-                           "cuda_graphs": captured, "bind_cores": False}}
+                           "cuda_graphs": captured, "compile_blocks": compiled, "bind_cores": False}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
@@ -72,7 +77,7 @@ def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
     return statistics.median(times), loss
 
 
-def measure(label: str) -> dict:
+def measure(label: str, compiled: bool = True) -> dict:
     from transformers import LlamaConfig
 
     from tp_trainer.checkpoint import meta_model
@@ -83,14 +88,19 @@ def measure(label: str) -> dict:
                          max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "sdpa"
     out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}}
-    for captured in (False, True):
+    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    for blocks, (captured, compile_them) in BLOCKS.items():
+        if compile_them and not compiled:
+            continue
         for slices in counts:
-            name = f"{slices} slices, {'captured' if captured else 'eager'}"
+            name = f"{slices} slices, {blocks}"
             try:
-                engine, *_ = initialize(meta_model(config), ds_config(seq_len, slices, captured, precision), seed=1)
+                ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None)
+                engine, *_ = initialize(meta_model(config), ds, seed=1)
                 ms, loss = timed_steps(engine, vocab, seq_len)
-                out["records"].append({"slices": slices, "blocks": "captured" if captured else "eager",
-                                       "ms": ms, "loss": loss, "weight_grads": engine.weight_grads_mode})
+                out["records"].append({"slices": slices, "blocks": blocks, "ms": ms, "loss": loss,
+                                       "weight_grads": engine.weight_grads_mode,
+                                       "compile_backend": backend if compile_them else None})
                 print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
                       flush=True)
             except Exception:  # noqa: BLE001 -- the other variants still run
@@ -105,7 +115,7 @@ def measure(label: str) -> dict:
 
 def main() -> None:
     path, tiny = sys.argv[1], "--tiny" in sys.argv[2:]
-    result = measure("llama-w64" if tiny else "llama-7b-pair")
+    result = measure("llama-w64" if tiny else "llama-7b-pair", compiled="--no_compiled" not in sys.argv[2:])
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(result, handle, indent=1)
 

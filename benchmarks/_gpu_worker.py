@@ -47,21 +47,16 @@ def run_exact(out_dir: str) -> None:
     disable_tf32()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import exactness_worker
-    import exactness_cases as ec
     import pipeline_harness as harness
-    every = ec.cases
-    ec.cases = lambda world: [case for case in every(world) if not case["graphs"]]
-    sys.argv = [exactness_worker.__file__, "1", out_dir]
-    exactness_worker.main()
+    exactness_worker.main(1, out_dir, keep=lambda case: not case["graphs"])
     # the engine's captured blocks, first run on a GPU here: a failure is recorded and the others kept
     graphs_dir, results, errors = os.path.join(out_dir, "graphs"), {}, {}
     os.makedirs(graphs_dir, exist_ok=True)
-    for case in [case for case in every(1) if case["graphs"]]:
-        for key, dtype in ec.DTYPES.items():
-            try:
-                results[f"{case['name']}@{key}"] = exactness_worker.run_case(case, dtype)
-            except Exception:  # noqa: BLE001 -- reported by step 1 as this case's error
-                errors[f"{case['name']}@{key}"] = traceback.format_exc()[-1500:]
+    for name, case, dtype in exactness_worker.case_runs(1, keep=lambda case: case["graphs"]):
+        try:
+            results[name] = exactness_worker.run_case(case, dtype)
+        except Exception:  # noqa: BLE001 -- reported by step 1 as this case's error
+            errors[name] = traceback.format_exc()[-1500:]
     harness.save_rank(results, graphs_dir)
     with open(os.path.join(graphs_dir, "errors.json"), "w", encoding="utf-8") as handle:
         json.dump(errors, handle)

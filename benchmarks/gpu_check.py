@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--paper", choices=("all", "175b"), default="all",
                    help="paper-scale settings to rerun with the measured preset (175b: the two GPT3-175B rows)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="also time compiled blocks (auto: on a GPU only; compiling on 2 CPU cores takes minutes)")
+                   help="also time compiled blocks: in calibration (auto: on a GPU only; compiling on 2 CPU cores "
+                        "takes minutes) and, unless off, the slice step's compiled variants (aot_eager on a CPU)")
     p.add_argument("--no_engine_steps", action="store_true",
                    help="skip steps 1-3 (reported as skipped): calibration only, e.g. to rerun it on a lent GPU")
     p.add_argument("--steps", default="engine,slices,calibration,multi",
@@ -259,7 +260,7 @@ def main(argv=None) -> dict:
         import _gpu_slices
         slices = _gpu_slices.run(torch.device(device), args.quick,
                                  lambda line: print(f"[gpu_check] slices: {line}", flush=True),
-                                 keep=lambda partial: _keep(out_dir, "slices", partial))
+                                 keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off")
         _keep(out_dir, "slices", slices)
     steps = engine_steps(env, args.device, sizes["steps"], args.no_engine_steps or "engine" not in steps_asked)
     _keep(out_dir, "steps1to3", steps)

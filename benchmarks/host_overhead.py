@@ -21,6 +21,11 @@ of ``--reps`` rounds; the figures are the median over rounds and their min-max.
                                   and attention in ``slice_op``'s fused op (graphs compiled before timing)
     compiled_per_block_us_per_block_slice   the same with each HF block compiled on its own
                                   (``DecoderBlock.fuse(torch.compile(block.inner))``): a region per block
+    compiled_blocks_us_per_block_slice   the default path with each HF block compiled around its K/V append
+                                  and attention (``model.compiled_blocks``, inductor; terapipe.compile_blocks)
+    kernels_per_block_slice       {"eager", "compiled_blocks"}: compute ops per block and slice, forward +
+                                  backward (ATen ops that launch work, views and allocations left out, plus
+                                  inductor's fused kernels): what a GPU would launch per slice
     eager_ops_per_block_slice     ATen ops per block and slice on the default path, forward + backward
                                   (a ``TorchDispatchMode`` counting every op over one step: (N_S - N_1) / (S - 1) / 2)
     graph_breaks                  ``torch._dynamo.explain`` of the ``BlockRun`` region on a middle slice
@@ -45,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tp_trainer.model.compiled_blocks import compile_blocks  # noqa: E402
 from tp_trainer.model.layers import BlockRun, DecoderBlock, SliceContext, _run_blocks, block_runs  # noqa: E402
 from tp_trainer.model.slice_cache import SequenceKV  # noqa: E402
 
@@ -135,6 +141,30 @@ def aten_seconds(step, steps: int = 10) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / steps / 1e6
 
 
+# ATen ops that launch no kernel of their own (views, allocation, metadata)
+NO_KERNEL = {"view", "reshape", "transpose", "t", "permute", "expand", "as_strided", "slice", "select", "unsqueeze",
+             "squeeze", "split", "narrow", "_unsafe_view", "alias", "detach", "empty", "empty_like", "empty_strided",
+             "set_", "lift_fresh", "resolve_conj", "resolve_neg", "_reshape_alias", "unbind", "chunk",
+             "split_with_sizes", "contiguous", "to", "item", "_local_scalar_dense", "unflatten", "flatten",
+             "view_as", "expand_as", "new_empty", "new_empty_strided", "zeros", "zero_"}
+
+
+def kernels(step) -> int:
+    """Compute ops of one ``step``: leaf ATen ops outside NO_KERNEL and inductor's C++ kernels
+    (``cpp.enable_kernel_profile`` names them in the profile), after a warm-up step."""
+    from torch.profiler import profile
+    step()
+    with profile() as prof:
+        step()
+    count = 0
+    for event in prof.events():
+        if event.name.startswith("aten::") and event.name[6:] not in NO_KERNEL:
+            count += not any(child.name.startswith("aten::") for child in event.cpu_children)
+        elif "cpp_fused" in event.name:
+            count += 1
+    return count
+
+
 def per_slice(times: dict, slices: int) -> float:
     return (times[slices] - times[1]) / (slices - 1) / LAYERS * 1e6
 
@@ -143,10 +173,28 @@ def summary(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def kernel_counts(x, grad, slices: int) -> dict:
+    """``kernels_per_block_slice`` of the eager path and of the blocks compiled around the attention,
+    compiled here with inductor's kernels named in the profile (which costs time: the timed graphs are
+    compiled afresh after ``torch._dynamo.reset``)."""
+    import torch._inductor.config as inductor_config
+    eager, eager_ctx = pipeline_blocks(model())
+    around, around_ctx = pipeline_blocks(model())
+    compile_blocks(around, "inductor")
+    runs = {"eager": lambda s: sliced_step(eager, eager_ctx, x, grad, s),
+            "compiled_blocks": lambda s: sliced_step(around, around_ctx, x, grad, s)}
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        counts = {name: (kernels(lambda: run(slices)) - kernels(lambda: run(1))) / (slices - 1) / LAYERS
+                  for name, run in runs.items()}
+    torch._dynamo.reset()
+    return counts
+
+
 def measure(args) -> dict:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     x, grad = torch.randn(1, SEQ, WIDTH, generator=gen), torch.randn(1, SEQ, WIDTH, generator=gen)
+    launched = kernel_counts(x, grad, args.slices)   # first: its graphs are dropped before the timed ones compile
     eager_net = model()
     eager, eager_ctx = pipeline_blocks(eager_net)
     run_blocks, run_ctx = pipeline_blocks(model())
@@ -154,10 +202,13 @@ def measure(args) -> dict:
     per_block, per_block_ctx = pipeline_blocks(model())
     for block in per_block:
         block.fuse(torch.compile(block.inner, fullgraph=True))
+    around, around_ctx = pipeline_blocks(model())
+    compile_blocks(around, "inductor")
     S = args.slices
     runs = {"eager": lambda s: sliced_step(eager, eager_ctx, x, grad, s),
             "compiled": lambda s: sliced_step([run], run_ctx, x, grad, s),
-            "compiled_per_block": lambda s: sliced_step(per_block, per_block_ctx, x, grad, s)}
+            "compiled_per_block": lambda s: sliced_step(per_block, per_block_ctx, x, grad, s),
+            "compiled_blocks": lambda s: sliced_step(around, around_ctx, x, grad, s)}
     began = time.perf_counter()
     for step in runs.values():   # compiles the graphs (start 0 of 256 and of S tokens, later starts), warms up
         for s in (1, S, 1, S):
@@ -176,6 +227,8 @@ def measure(args) -> dict:
            "eager_us_per_block_slice": statistics.median(rounds["eager"]),
            "compiled_us_per_block_slice": statistics.median(rounds["compiled"]),
            "compiled_per_block_us_per_block_slice": statistics.median(rounds["compiled_per_block"]),
+           "compiled_blocks_us_per_block_slice": statistics.median(rounds["compiled_blocks"]),
+           "kernels_per_block_slice": launched,
            "eager_ops_per_block_slice": (ops[S] - ops[1]) / (S - 1) / LAYERS,
            "graph_breaks": graph_breaks(run, run_ctx), "aten_us_per_block_slice": aten}
     out["compiled_to_eager"] = summary([c / e for c, e in zip(rounds["compiled"], rounds["eager"])])  # paired per round
@@ -198,7 +251,10 @@ def main(argv=None) -> dict:
     eager, compiled = out["eager_us_per_block_slice"], out["compiled_us_per_block_slice"]
     print(f"HF block, whole sequence: {out['hf_us_per_block']:.0f} us; per block and slice: eager {eager:.1f} us "
           f"({out['eager_ops_per_block_slice']:.0f} ATen ops), compiled {compiled:.1f} us ({compiled / eager:.2f}x; "
-          f"goal <= 0.33x), a region per block {out['compiled_per_block_us_per_block_slice']:.1f} us; "
+          f"goal <= 0.33x), a region per block {out['compiled_per_block_us_per_block_slice']:.1f} us, blocks "
+          f"compiled around the attention {out['compiled_blocks_us_per_block_slice']:.1f} us; compute ops per block "
+          f"and slice: eager {out['kernels_per_block_slice']['eager']:.1f}, blocks compiled around the attention "
+          f"{out['kernels_per_block_slice']['compiled_blocks']:.1f}; "
           f"paired ratio {out['compiled_to_eager']['median']:.2f}; graph breaks {out['graph_breaks']}; "
           f"ATen ops' own time per block and slice: eager {out['aten_us_per_block_slice']['eager']:.0f} us, "
           f"compiled {out['aten_us_per_block_slice']['compiled']:.0f} us; "

@@ -51,6 +51,9 @@ def cases(world: int) -> list[dict]:
         # CPU), their weight gradients merged per sequence (defer_weight_grads) or in B (-nozb)
         out += [_case(stages, 3, "uneven", tied, schedule, graphs=True, zb=zb)
                 for tied, schedule, zb in ((True, "1f1b", True), (False, "gpipe", False))[:stages]]
+    if stages == 1:  # each block compiled around its attention (model/compiled_blocks.py, backend aot_eager:
+        # exact in float64) inside the captured units, as a GPU runs them; uniform slices: one graph set
+        out.append(_case(stages, 3, "uniform4", True, "1f1b", graphs=True, compiled=True))
     if stages > 1:  # LoRA (tests/lora_cases.py): adapters with non-zero B, base weights frozen
         out += lora_cases(stages)
     if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,
@@ -81,18 +84,18 @@ CUT_SPLITS = {2: [["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "norm"
 
 
 def _case(stages, micro, slices, tied, schedule, replicas=1, zero=0, ckpt=False, dtypes=tuple(DTYPES), zb=True,
-          cut=False, shared=0, half="attn", lora=None, graphs=False):
+          cut=False, shared=0, half="attn", lora=None, graphs=False, compiled=False):
     dp = f"-dp{replicas}-zero{zero}" if replicas > 1 else ""
     base = f"pp{stages}{dp}-mb{micro}-{slices}-{'tied' if tied else 'untied'}-{schedule}"
     split = ({"names": SHARED_SPLITS[half], "shared_after": shared} if shared else CUT_SPLITS[stages]) if cut else None
     shared_name = {"attn": "-shared", "mlp": "-shared-mlp"}[half]
     return {"name": base + (shared_name if shared else "-cut" if cut else "") + ("-ckpt" if ckpt else "")
             + ("" if zb else "-nozb") + ("" if lora is None else "-lora" + "".join(f"-{m}" for m in lora))
-            + ("-graphs" if graphs else ""),
-            "same_as": base if (ckpt or not zb or cut or graphs) and lora is None else None, "split": split, "lora": lora,
+            + ("-graphs" if graphs else "") + ("-compiled" if compiled else ""),
+            "same_as": base if (ckpt or not zb or cut or graphs or compiled) and lora is None else None, "split": split, "lora": lora,
             "stages": stages, "microbatches": micro, "slices": SLICES[slices], "tied": tied,
             "schedule": schedule, "replicas": replicas, "zero": zero, "ckpt": ckpt, "dtypes": dtypes, "zb": zb,
-            "shared_half": half if shared else None, "graphs": graphs}
+            "shared_half": half if shared else None, "graphs": graphs, "compiled": compiled}
 
 
 def tiny_model(tied: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
@@ -123,6 +126,7 @@ def ds_config(case: dict) -> dict:
     config["pipeline"].update(activation_checkpoint_interval=int(case["ckpt"]), use_reentrant=False)
     config["terapipe"]["defer_weight_grads"] = case["zb"]  # W's split and scheduled (zero-bubble) or not
     config["terapipe"]["cuda_graphs"] = case.get("graphs", False)
+    config["terapipe"]["compile_blocks"] = "aot_eager" if case.get("compiled") else None
     if case.get("lora") is not None:
         import lora_cases
         config["terapipe"]["lora"] = lora_cases.section(case)

@@ -28,12 +28,15 @@ def exports(case) -> bool:
     return isinstance(case["split"], dict) or case["lora"] is not None
 
 
-def main():
-    world, out_dir = int(sys.argv[1]), sys.argv[2]
-    results = {f"{case['name']}@{key}": run_case(case, dtype, os.path.join(out_dir, f"hf-{case['name']}@{key}")
-                                                 if exports(case) else None)
-               for case in ec.cases(world)
-               for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
+def case_runs(world, keep=lambda case: True):
+    """(result key, case, dtype) of every case of ``world`` ranks that ``keep`` accepts, in each of its dtypes."""
+    return [(f"{case['name']}@{key}", case, dtype) for case in ec.cases(world) if keep(case)
+            for key, dtype in ec.DTYPES.items() if key in case["dtypes"]]
+
+
+def main(world, out_dir, keep=lambda case: True):
+    results = {name: run_case(case, dtype, os.path.join(out_dir, f"hf-{name}") if exports(case) else None)
+               for name, case, dtype in case_runs(world, keep)}
     results.update({f"{case['name']}@{key}": packed_cases.train(case, dtype)   # packed examples
                     for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
     harness.save_rank(results, out_dir)
@@ -42,6 +45,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]), sys.argv[2])
     from tp_trainer.failures import leave
     leave(0)  # results are written: skip the process group's destructors (failures.leave)

@@ -90,6 +90,7 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     elif split is not None:
         split = StageSplit.from_names(split)
 
+    graphs_before = dynamo_graphs()
     engine, *_ = initialize(model, config, split=split)
     named = hf_named_parameters(engine.module)
     grads = {}
@@ -125,7 +126,15 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
             "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
             "captured_units": captured_units(engine),
+            "compiled_blocks": sum(getattr(f, "compiled", None) is not None for f in engine.module.forward_funcs),
+            "dynamo_graphs": dynamo_graphs() - graphs_before,
             "inspect": inspect(engine) if inspect is not None else None}
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def captured_units(engine) -> int:
@@ -153,10 +162,12 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
                 continue
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
                                              "grads": {}, "params": {}, "fused_head_loss": False,
-                                             "layer_types": set(), "captured_units": 0})
+                                             "layer_types": set(), "captured_units": 0,
+                                             "compiled_blocks": 0, "dynamo_graphs": 0})
             entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
             entry["layer_types"] |= set(result.get("layer_types", ()))
-            entry["captured_units"] += result.get("captured_units", 0)
+            for key in ("captured_units", "compiled_blocks", "dynamo_graphs"):
+                entry[key] += result.get(key, 0)
             # the last stage returns its own loss, the others DeepSpeed's fp32 broadcast of it
             assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
                        zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"

@@ -72,6 +72,9 @@ def test_matches_hf(pipeline_results, case):
         assert (halves <= types) == bool(case["split"]), (key, sorted(types))
         # terapipe.cuda_graphs: the blocks ran as units of model/captured_blocks.py (eagerly on a CPU)
         assert (pipeline_results[f"{case['name']}@{key}"]["captured_units"] > 0) == case["graphs"], key
+        # terapipe.compile_blocks: every decoder block of the stage compiled, and dynamo made graphs of them
+        got = pipeline_results[f"{case['name']}@{key}"]
+        assert (got["compiled_blocks"] > 0, got["dynamo_graphs"] > 0) == (case["compiled"],) * 2, key
     if case["same_as"]:  # checkpointing, cut blocks, W in the backward change nothing: same loss and grads
         for key in case["dtypes"]:
             got, plain = pipeline_results[f"{case['name']}@{key}"], pipeline_results[f"{case['same_as']}@{key}"]

@@ -25,7 +25,8 @@ sys.path.insert(0, BENCH)
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out),
-                           "--seq_len", "256", "--budget", "3", "--max_slices", "8", "--paper", "175b"],
+                           "--seq_len", "256", "--budget", "3", "--max_slices", "8", "--paper", "175b",
+                           "--compile", "off"],   # the compiled variants: test_compiled_variants_on_the_cpu
                           cwd=ROOT, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "gpu_check.json", encoding="utf-8") as handle:
@@ -157,6 +158,7 @@ def test_slice_step_on_the_cpu(cpu_run):
         assert {"model", "seq_len", "slices", "mode", "ms", "whole_hf_ms", "whole_captured_ms",
                 "weight_grads", "attention"} <= set(r)
         assert r["mode"] == "eager" and r["ms"] > 0 and r["whole_hf_ms"] > 0
+    assert not any(r["compiled"] for r in records)   # --compile off
     assert sorted({r["slices"] for r in records}) == [1, 2, 4, 8]
     assert all(ex["passed"] for ex in report["exactness"].values()) and not report["errors"]
     assert "Exactness, llama-w64" in (out / "gpu_check.md").read_text()
@@ -165,13 +167,35 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert all(f["ms_per_slice"] > 0 and f["parameters"] > 0 for f in report["fold"].values())
     text = (out / "gpu_check.md").read_text()
     assert "DeepSpeed's per-backward clear + fold, gpt2-w64" in text and "- S = 8: " in text
-    # the whole 1-stage engine step, blocks eager and through captured_blocks (eager units on a CPU): same loss
+    # the whole 1-stage engine step, blocks eager and through captured_blocks (eager units on a CPU):
+    # the same loss (compiled blocks under --compile off: none)
     step = report["engine_step"]
+    kinds = ("eager", "captured")
     assert not step["errors"] and {(r["slices"], r["blocks"]) for r in step["records"]} == {
-        (s, b) for s in (1, 4) for b in ("eager", "captured")}
+        (s, b) for s in (1, 4) for b in kinds}
     losses = {(r["slices"], r["blocks"]): r["loss"] for r in step["records"]}
-    assert all(abs(losses[(s, "captured")] - losses[(s, "eager")]) <= 1e-6 * abs(losses[(s, "eager")]) for s in (1, 4))
+    assert all(abs(losses[(s, b)] - losses[(s, "eager")]) <= 1e-6 * abs(losses[(s, "eager")])
+               for s in (1, 4) for b in kinds)
     assert "Whole 1-stage engine step" in text
+
+
+def test_compiled_variants_on_the_cpu():
+    """The slice step's compiled variant (blocks compiled around their attention; aot_eager on a CPU):
+    its records beside the eager ones, matched to its own 1-slice time, in the report's table."""
+    import _gpu_capture as cap
+    import _gpu_slices
+    import torch
+    measured = cap.measure_set("gpt2-w64", cap.CPU_SETS["gpt2-w64"], (1, 4), torch.device("cpu"), torch.float32, 1,
+                               lambda line: None)
+    records = measured["records"]
+    assert not measured["failures"] and {(r["compiled"], r["slices"]) for r in records} == {
+        (c, s) for c in (False, True) for s in (1, 4)}
+    for r in records:
+        one = next(o for o in records if o["compiled"] == r["compiled"] and o["slices"] == 1)
+        assert r["whole_captured_ms"] == one["ms"] > 0
+    result = {"dtype": "float32", "slice_cost": records, "attention_kernels": {}, "attention_bytes_per_slice": {},
+              "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
+    assert "| slices | eager (in B, cpu) | eager (in B, cpu, compiled) |" in _gpu_slices.markdown(result, "cpu")
 
 
 def test_slice_exactness_can_fail(monkeypatch):

@@ -28,6 +28,10 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "split_blocks": 1}, r"terapipe.split_blocks: must be true or false, got 1"),
     ({"seq_len": 16, "share_halves": "no"}, r"terapipe.share_halves: must be true or false, got 'no'"),
     ({"seq_len": 16, "cuda_graphs": "on"}, r"terapipe.cuda_graphs: must be true or false, got 'on'"),
+    ({"seq_len": 16, "compile_blocks": True}, r"terapipe.compile_blocks: True; use one of \['inductor', 'aot_eager'\]"),
+    ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "compile_blocks": "inductor"},
+     r"terapipe.compile_blocks: the plan under memory_limit_gib may checkpoint"),
+    ({"seq_len": 16, "compile_blocks": "inductor", "lora": {"r": 4}}, r"terapipe.compile_blocks: not with LoRA"),
     ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "cuda_graphs": True},
      r"terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint"),
     ({"seq_len": 16, "calibrate": True}, r"terapipe.calibrate: no longer exists \(the start-up calibration .*\); "
@@ -57,3 +61,13 @@ def test_cuda_graphs_refuse_what_runs_python_per_backward(ds_config, message):
 def test_plan_rejects_bad_sum():
     with pytest.raises(PlanError, match="terapipe.slices"):
         SlicePlan(8, (4, 3))
+
+
+def test_compiled_blocks_refuse_activation_checkpointing():
+    """Compiled blocks under DeepSpeed's activation checkpointing are refused before any work."""
+    from tp_trainer.checks import check_compile_blocks
+    compiled = TeraPipeConfig.from_section({"seq_len": 16, "compile_blocks": "inductor"})
+    with pytest.raises(ConfigError, match=r"terapipe.compile_blocks: not with activation checkpointing"):
+        check_compile_blocks(compiled, {"pipeline": {"activation_checkpoint_interval": 1}})
+    check_compile_blocks(compiled, {"pipeline": {"activation_checkpoint_interval": 0}})
+    check_compile_blocks(TeraPipeConfig.from_section({"seq_len": 16}), {"pipeline": {"activation_checkpoint_interval": 1}})

@@ -167,6 +167,7 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
         logging.getLogger("tp_trainer").warning("%s", warning)
     check_precision(ds_config)
     check_cuda_graphs(terapipe, ds_config)
+    check_compile_blocks(terapipe, ds_config)
     stages = pipeline_stages(ds_config, world_size)
     depth = model_depth(model_config)
     if stages > depth:
@@ -188,6 +189,13 @@ def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
                   hooked_params=bf16 and accumulation in ("fp32", "float32", "float"))
     if why:
         raise ConfigError(f"terapipe.cuda_graphs: {why}")
+
+
+def check_compile_blocks(terapipe: TeraPipeConfig, ds_config: dict) -> None:
+    """``terapipe.compile_blocks`` only without activation checkpointing (untested under it)."""
+    if terapipe.compile_blocks and int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0:
+        raise ConfigError("terapipe.compile_blocks: not with activation checkpointing (pipeline."
+                          "activation_checkpoint_interval); set it to 0 or compile_blocks to null")
 
 
 def check_precision(ds_config: dict) -> None:

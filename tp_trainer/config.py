@@ -22,6 +22,8 @@ class ConfigError(ValueError):
     """An invalid configuration; raised before any process group, model or file is touched."""
 
 
+COMPILE_BACKENDS = (None, "inductor", "aot_eager")   # terapipe.compile_blocks
+
 REMOVED_KEYS = {
     "calibrate": "the start-up calibration measured no faster step on 2 CPU ranks and added ~10 s to every "
                  "start; the planner's profile decides",
@@ -80,6 +82,14 @@ class TeraPipeConfig:
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
     order (what the CPU tests check). Off by default until a GPU measures it in the engine."""
 
+    compile_blocks: object = None
+    """A ``torch.compile`` backend ("inductor"; "aot_eager" runs ATen's kernels, exact in float64) for
+    each decoder block, compiled around its K/V append and attention, which stay eager
+    (model/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
+    capture removes the host time the graph breaks cost; eagerly on 2 CPU cores it costs that time
+    (benchmarks/host_overhead.py's GPT-2: 1063 against 766 us per block and slice). Needs no activation
+    checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default until a GPU measures it)."""
+
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
     optimizer state, activations and K/V; measured as peak RSS above the process's size before the
@@ -134,6 +144,14 @@ class TeraPipeConfig:
         if self.cuda_graphs and self.memory_limit_gib is not None:
             raise ConfigError("terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint activations, "
                               "which captured blocks cannot; drop memory_limit_gib or set cuda_graphs false")
+        if self.compile_blocks not in COMPILE_BACKENDS:
+            raise ConfigError(f"terapipe.compile_blocks: {self.compile_blocks!r}; use one of "
+                              f"{[b for b in COMPILE_BACKENDS if b]} or null (off)")
+        if self.compile_blocks and self.memory_limit_gib is not None:
+            raise ConfigError("terapipe.compile_blocks: the plan under memory_limit_gib may checkpoint activations, "
+                              "which compiled blocks do not run under; drop memory_limit_gib or compile_blocks")
+        if self.compile_blocks and self.lora is not None:
+            raise ConfigError("terapipe.compile_blocks: not with LoRA adapters (untested); drop one of them")
         if not isinstance(self.defer_weight_grads, bool):
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:

@@ -201,10 +201,15 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
     if not isinstance(attention_mask, SliceSpan):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                                       **kwargs)
-    span = attention_mask
     buffers = kwargs.pop("slice_kv", None)
     if buffers is not None:  # a fused block (layers.DecoderBlock.fuse): key, value are this slice's only
-        return fused_attention(module, query, key, value, span, buffers, dropout, scaling, kwargs), None
+        return fused_attention(module, query, key, value, attention_mask, buffers, dropout, scaling, kwargs), None
+    return _span_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+@torch.compiler.disable   # a compiled block (compiled_blocks.py) attends eagerly: the span's start changes every slice
+def _span_attention(module, query, key, value, span: SliceSpan, dropout, scaling, is_causal, **kwargs):
+    """The slice's attention over keys / values [0, c + l) (the slice cache's views)."""
     if getattr(span.source, "keys_only", False):  # kv_handoff: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if span.segments is None and cuda_path(query, key, span, dropout, kwargs):  # packed: the masked path below

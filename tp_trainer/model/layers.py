@@ -215,6 +215,7 @@ class DecoderBlock(HFPart):
         # SDPA attention modules dispatch to attention.slice_attention_forward, given a SliceSpan
         self.spans = ctx.attn_implementation != "eager" and redirect(inner)
         self.fused = None   # fuse(): what runs the HF block with the fused K/V append + attention
+        self.compiled = None   # compiled_blocks.compile_blocks: the HF block compiled around its attention
         # model.captured_blocks: what this block's call runs instead (the whole captured run on its
         # first block, a pass-through on the others); None: the block itself (``run_slice``)
         self.replay = None
@@ -237,7 +238,7 @@ class DecoderBlock(HFPart):
         if self.fused is not None and self.takes_fused():
             out = self.fused(hidden, **self.fused_kwargs(hidden))
         else:
-            out = self.inner(hidden, **self.attention_kwargs(hidden))
+            out = (self.inner if self.compiled is None else self.compiled)(hidden, **self.attention_kwargs(hidden))
         return out[0] if isinstance(out, tuple) else out
 
     def takes_fused(self) -> bool:

@@ -130,6 +130,7 @@ class SliceCache(Cache):
         self.kv = kv
         self.start = start
 
+    @torch.compiler.disable   # a compiled block (compiled_blocks.py) appends eagerly: Tensor.set_ is not traceable
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return _AppendKV.apply(key_states, value_states, self.kv, layer_idx, self.start)
 

@@ -156,6 +156,7 @@ def deferred_linear(x: torch.Tensor, weight: nn.Parameter, bias, store: Deferred
 def _deferred_forward(module: nn.Module, store: DeferredWeightGrads):
     conv = isinstance(module, Conv1D)
 
+    @torch.compiler.disable   # its backward keeps (x, dy) in a Python store: eager between a compiled block's graphs
     def forward(x):
         if not torch.is_grad_enabled() or not module.weight.requires_grad:
             return type(module).forward(module, x)
