@@ -238,13 +238,13 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     log(f"{label}: DeepSpeed's per-backward clear + fold over its {parameters / 1e6:.1f} M parameters: {fold:.3f} ms")
     records, samples, failures = [], {}, []
     for variant in variants(device, compiled):
-        mode_captured, weights, kernel, compiled = variant
+        mode_captured, weights, kernel, compile_them = variant
         use_kernel(kernel)
         for slices in slice_counts:
             run = None
             try:
                 run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights,
-                                compiled)
+                                compile_them)
                 ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
                 if mode_captured and weights != "W per sequence" and kernel == "cudnn":
@@ -258,10 +258,10 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                 break
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
-                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compiled,
+                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
                             "ms": ms, "whole_hf_ms": whole_hf})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
-                f"{', compiled' if compiled else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
+                f"{', compiled' if compile_them else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
             run.close()
             del run
             _free(device)

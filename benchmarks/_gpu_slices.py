@@ -94,9 +94,11 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
         else:   # the deferred weight gradients' paths and the compiled blocks' graph breaks, eagerly
             variants += [(f"{slices} slices eager, {w}", lambda w=w: _run_sliced(model, x, gy, slices, False, w))
                          for w in cap.WEIGHT_MODES[1:]]
-            variants += [] if not compiled else [(f"{slices} slices eager, {w}, compiled ({cap.compile_backend(device)})",
-                          lambda w=w: _run_sliced(model, x, gy, slices, False, w, compiled=True))
-                         for w in ("in B", "W per sequence")]
+            if compiled:
+                backend = cap.compile_backend(device)
+                variants += [(f"{slices} slices eager, {w}, compiled ({backend})",
+                              lambda w=w: _run_sliced(model, x, gy, slices, False, w, compiled=True))
+                             for w in ("in B", "W per sequence")]
         for name, run in variants:
             got = run()
             errors = [_rel(a, b) for a, b in zip(got, ref)]
