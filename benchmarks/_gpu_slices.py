@@ -28,9 +28,9 @@ import traceback
 import torch
 
 import _gpu_capture as cap
+from _gpu_stage import BLOCKS as ENGINE_BLOCKS   # the engine step's kinds of blocks, in its order
 
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
-ENGINE_BLOCKS = ("eager", "captured", "captured, compiled")   # _gpu_stage.BLOCKS
 QUICK_COUNTS = (1, 8, 32)
 
 

@@ -177,6 +177,11 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     return PipelineSpec(ds_config, terapipe, stages, cost)
 
 
+def checkpoints_activations(ds_config: dict) -> bool:
+    """Whether the DeepSpeed config asks for activation checkpointing (pipeline.activation_checkpoint_interval)."""
+    return int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0
+
+
 def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
     """``terapipe.cuda_graphs`` only with what captured blocks can run (``captured_blocks.refusal``)."""
     if not terapipe.cuda_graphs:
@@ -185,7 +190,7 @@ def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
     bf16 = any(ds_config.get(key, {}).get("enabled", False) for key in ("bf16", "bfloat16"))
     accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "bf16")).lower()
     why = refusal(zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-                  checkpointing=int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0,
+                  checkpointing=checkpoints_activations(ds_config),
                   hooked_params=bf16 and accumulation in ("fp32", "float32", "float"))
     if why:
         raise ConfigError(f"terapipe.cuda_graphs: {why}")
@@ -193,7 +198,7 @@ def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
 
 def check_compile_blocks(terapipe: TeraPipeConfig, ds_config: dict) -> None:
     """``terapipe.compile_blocks`` only without activation checkpointing (untested under it)."""
-    if terapipe.compile_blocks and int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0:
+    if terapipe.compile_blocks and checkpoints_activations(ds_config):
         raise ConfigError("terapipe.compile_blocks: not with activation checkpointing (pipeline."
                           "activation_checkpoint_interval); set it to 0 or compile_blocks to null")
 
