@@ -38,10 +38,10 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
 from .model.captured_blocks import capture_blocks
-from .model.head_loss import HeadLossLabels, fuse_head_loss
+from .model.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
 from .model.segments import MicrobatchLayouts
 from .model.slice_cache import SequenceKV
-from .model.weight_grad import DeferredWeightGrads, defer_stage, params_made_by_w, weight_grads_in_b
+from .model.weight_grad import defer_stage_weight_grads, weight_grads_in_b
 from .memory import ActivationTracker, current_rss_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -53,14 +53,6 @@ from .schedule.calls import Program
 
 class PipelineFailure(RuntimeError):
     """An instruction failed; the message names the rank, stage, instruction and peer."""
-
-
-def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
-    """Cross-entropy summed over the slice's tokens, in fp32 (or float64 for a float64 model), divided by
-    a microbatch's tokens."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    return summed / tokens_per_microbatch
 
 
 class TeraPipeEngine(PipelineEngine):
@@ -99,7 +91,9 @@ class TeraPipeEngine(PipelineEngine):
             defer_weight_grads, self.zero_optimization_stage(), self.zero_overlap_comm(),
             separate_accumulation=accumulation_dtype != model_dtype and self.master_grads is None,
             captured=self.captured is not None)
-        self.weight_grads = self._deferred_weight_grads() if self.weight_grads_in_b is None else None
+        # None: this stage's backward split into B and W, the schedule carrying a W for every unit
+        self.weight_grads = (defer_stage_weight_grads(self.module.forward_funcs, self.master_grads)
+                             if self.weight_grads_in_b is None else None)
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
                                                      split_weight_grads=self.weight_grads is not None),
@@ -128,15 +122,6 @@ class TeraPipeEngine(PipelineEngine):
         if labels is not None:
             ds_compat.recheck_checkpointable(self.module)
         return labels
-
-    def _deferred_weight_grads(self) -> DeferredWeightGrads:
-        """Split this stage's backward into B and W (every linear layer, the tied or untied head, the
-        embeddings); the schedule then carries a W for every unit (``split_weight_grads``)."""
-        store = DeferredWeightGrads(self.master_grads)
-        deferred = defer_stage(self.module.forward_funcs, store)
-        if self.master_grads is not None:   # bf16: no DeepSpeed hook per parameter and slice
-            self.master_grads.hold_in_grad(params_made_by_w(deferred))
-        return store
 
     @property
     def weight_grads_mode(self) -> str:

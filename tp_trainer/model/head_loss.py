@@ -33,6 +33,14 @@ CHUNK_BYTES = 64 * 2 ** 20   # fp32 logits per chunk (vocab 8192: 2048 tokens; 5
 IGNORE_INDEX = -100
 
 
+def slice_loss(logits: torch.Tensor, labels: torch.Tensor, tokens_per_microbatch: int) -> torch.Tensor:
+    """The plain path's loss of one slice: cross-entropy summed over its tokens, in fp32 (or float64
+    for a float64 model), divided by a microbatch's tokens (the engine's loss convention)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    return summed / tokens_per_microbatch
+
+
 def _chunks(tokens: int, vocab: int):
     step = max(1, CHUNK_BYTES // (4 * vocab))
     return [(start, min(tokens, start + step)) for start in range(0, tokens, step)]

@@ -205,6 +205,17 @@ def defer_stage(funcs: list, store: DeferredWeightGrads) -> list[nn.Module]:
     return touched
 
 
+def defer_stage_weight_grads(funcs: list, master_grads=None) -> DeferredWeightGrads:
+    """Split a stage's backward into B and W (``defer_stage``: every linear layer, the tied or untied
+    head, the embeddings); its W's add into ``master_grads`` (``ds_compat.grad_fold``, bf16) where
+    given, whose parameters' gradients then stay in ``.grad``: no DeepSpeed hook per parameter and slice."""
+    store = DeferredWeightGrads(master_grads)
+    deferred = defer_stage(funcs, store)
+    if master_grads is not None:
+        master_grads.hold_in_grad(params_made_by_w(deferred))
+    return store
+
+
 def params_made_by_w(modules) -> list[nn.Parameter]:
     """The parameters of ``modules`` (what ``defer_stage`` returned) whose gradients only W's make: a
     deferred linear layer's weight and bias where the weight is trained (a frozen weight takes the plain
