@@ -14,8 +14,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      measured costs; simulated pipelines of 2, 4 and 8 stages; a whole 1-stage engine step (embedding,
      the Llama pair, head, loss, optimizer) at 1 and 8 slices, blocks eager and captured
      (``terapipe.cuda_graphs``, ``_gpu_stage.py``). On a CPU: two tiny sets, eager only.
-     ``--quick``: this step only, at 1, 8 and 32 slices (about 3 minutes on an H100 without the engine
-     step, which has not run on a GPU yet).
+     ``--quick``: this step only, at 1, 8 and 32 slices (its eager and captured sets took 3 minutes on
+     an H100; the engine step and the compiled variants, ``--compile off`` to leave them out, have not
+     run on a GPU).
   engine  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
      harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;
      2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
@@ -75,7 +76,7 @@ def parse_args(argv=None):
                    help="comma-separated steps to run: engine (1-3), slices (eager vs captured, _gpu_slices.py), "
                         "calibration (4-5), multi (2+ GPUs); the others are reported as skipped")
     p.add_argument("--quick", action="store_true",
-                   help="about 3 minutes on a GPU: the slice step only, at 1, 8 and 32 slices")
+                   help="the slice step only, at 1, 8 and 32 slices (its eager and captured sets: 3 minutes on an H100)")
     return p.parse_args(argv)
 
 
