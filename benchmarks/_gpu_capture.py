@@ -219,8 +219,10 @@ def fold_ms(params, device, repeats: int) -> float:
     return timed(passes, repeats, device)
 
 
-def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled: bool = True) -> dict:
-    """The slice_cost records of one block set, the captured per-slice samples and its whole times."""
+def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled: bool = True,
+                past_deadline=lambda: False) -> dict:
+    """The slice_cost records of one block set, the captured per-slice samples and its whole times.
+    ``past_deadline()`` true before a variant: that variant and the later ones are not run ("not_run")."""
     family, hidden, heads, kv_heads, inter, blocks, seq_len = spec
     model = build_model(*spec, device, dtype)
     layers, ctx, whole = wrap(model)
@@ -236,8 +238,11 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     whole_hf = timed(whole_step, repeats, device)
     fold, parameters = fold_ms(params, device, repeats), sum(p.numel() for p in params)
     log(f"{label}: DeepSpeed's per-backward clear + fold over its {parameters / 1e6:.1f} M parameters: {fold:.3f} ms")
-    records, samples, failures = [], {}, []
+    records, samples, failures, not_run = [], {}, [], []
     for variant in variants(device, compiled):
+        if not_run or past_deadline():
+            not_run.append(f"{label} {variant}")
+            continue
         mode_captured, weights, kernel, compile_them = variant
         use_kernel(kernel)
         for slices in slice_counts:
@@ -286,7 +291,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     return {"records": records, "samples": samples, "hidden": hidden, "blocks": blocks, "seq_len": seq_len,
             "whole_hf_ms": whole_hf, "fold_ms": fold, "parameters": parameters,
             "attention_kernels": kernels, "attention_bytes_per_slice": attn_bytes,
-            "profiles": profiles, "failures": failures}
+            "profiles": profiles, "failures": failures, "not_run": not_run}
 
 
 def _sliced(layers, ctx, params, hidden, seq_len, slices, device, dtype, x, gy):

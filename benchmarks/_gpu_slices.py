@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import tempfile
+import time
 import traceback
 
 import torch
@@ -138,9 +139,14 @@ def simulate(cost, seq_len: int, whole_hf_ms: float, whole_captured_ms: float | 
     return rows
 
 
-def run(device, quick: bool, log, keep=None, compiled: bool = True) -> dict:
+def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: float | None = None) -> dict:
     """The whole slice step; every part's failure is recorded with its traceback, not raised.
-    ``compiled``: also the variants with the blocks compiled around their attention."""
+    ``compiled``: also the variants with the blocks compiled around their attention. ``deadline``
+    (``time.monotonic()``, gpu_check's --deadline): past it no block set, variant or engine starts;
+    what was not run is listed in "not_run"."""
+    def past_deadline() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
     gpu = device.type == "cuda"
     sets = cap.SETS if gpu else cap.CPU_SETS
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -148,14 +154,19 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True) -> dict:
     if not gpu:
         counts = tuple(c for c in counts if c <= 8)
     out = {"dtype": str(dtype)[6:], "slice_cost": [], "attention_kernels": {}, "attention_bytes_per_slice": {},
-           "fold": {}, "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
+           "fold": {}, "exactness": {}, "plan": {}, "simulated": {}, "errors": {}, "not_run": []}
     for label, spec in sets.items():
+        if past_deadline():
+            out["not_run"].append(f"{label}: the whole set")
+            continue
         try:
             exact_len = min(spec[-1], 1024)
             out["exactness"][label] = exactness(spec, device, dtype, exact_len, compiled=compiled)
             log(f"{label}: exactness at seq {exact_len}: {'passed' if out['exactness'][label]['passed'] else 'FAILED'}")
-            measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log, compiled)
+            measured = cap.measure_set(label, spec, counts, device, dtype, 5 if gpu else 3, log, compiled,
+                                       past_deadline)
             out["slice_cost"] += measured["records"]
+            out["not_run"] += measured["not_run"]
             out["fold"][label] = {"ms_per_slice": measured["fold_ms"], "parameters": measured["parameters"]}
             out["attention_kernels"][label] = measured["attention_kernels"]
             out["attention_bytes_per_slice"][label] = measured["attention_bytes_per_slice"]
@@ -178,26 +189,40 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True) -> dict:
         cap._free(device)
         if keep is not None:   # what was measured so far, should a later set not finish
             keep(out)
-    out["engine_step"] = engine_step(gpu, log, compiled)
+    if past_deadline():
+        out["not_run"].append("the whole 1-stage engine step")
+        out["engine_step"] = {"records": [], "errors": {}}
+    else:
+        out["engine_step"] = engine_step(gpu, log, compiled, None if deadline is None else deadline - time.monotonic())
     return out
 
 
-def engine_step(gpu: bool, log, compiled: bool = True) -> dict:
-    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors"}; a rank that
-    fails is recorded in "errors", not raised."""
+def engine_step(gpu: bool, log, compiled: bool = True, seconds: float | None = None) -> dict:
+    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors", "not_run"}; a
+    rank that fails is recorded in "errors", not raised, with the engines it finished (it writes its
+    file after each). ``seconds``: no engine starts after that many, and the rank is stopped 2 minutes
+    later."""
     from multirank import run_ranks
     path = os.path.join(tempfile.mkdtemp(prefix="gpu_check_stage_"), "stage.json")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_stage.py")
+    args = ([path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
+            + ([] if seconds is None else ["--seconds", f"{seconds:.0f}"]))
     try:
-        args = [path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
-        for line in run_ranks(worker, 1, args, timeout=1200)[0].splitlines():
+        for line in run_ranks(worker, 1, args, timeout=1200 if seconds is None else seconds + 120)[0].splitlines():
             if line.startswith("[gpu_check] engine step"):
                 log(line.removeprefix("[gpu_check] "))
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
     except Exception:  # noqa: BLE001 -- the rest of the report is still written
-        log(f"engine step: FAILED\n{traceback.format_exc()[-1500:]}")
-        return {"records": [], "errors": {"engine step": traceback.format_exc()[-3000:]}}
+        failure = traceback.format_exc()[-3000:]
+        log(f"engine step: FAILED\n{failure[-1500:]}")
+    finished = {"records": []}
+    try:   # the engines the rank finished before it failed or was stopped
+        with open(path, encoding="utf-8") as handle:
+            finished = json.load(handle)
+    except (OSError, ValueError):
+        pass
+    return {**finished, "errors": {**finished.get("errors", {}), "engine step": failure}}
 
 
 def _cell(value, fmt="{:.2f}") -> str:
@@ -313,4 +338,7 @@ def markdown(result: dict, device_name: str) -> str:
                          f"{r['1f1b_hf_ms']:.2f} | {_cell(r['1f1b_captured_ms'])} | {r['speedup_vs_1f1b_hf']:.2f} |")
     for label, err in result["errors"].items():
         lines += ["", f"**{label} failed**:", "", "```", err.strip(), "```"]
+    not_run = result.get("not_run", []) + result.get("engine_step", {}).get("not_run", [])
+    if not_run:
+        lines += ["", "Not run (past --deadline):", ""] + [f"- {what}" for what in not_run]
     return "\n".join(lines) + "\n"

@@ -4,7 +4,7 @@ blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eage
 compiled around its attention (``terapipe.compile_blocks``: inductor; aot_eager on a CPU). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
 
-    _gpu_stage.py OUT_JSON [--tiny] [--no_compiled]
+    _gpu_stage.py OUT_JSON [--tiny] [--no_compiled] [--seconds S]
 
 On a GPU: the Llama 7B-width pair (2 layers, width 4096, 32 heads, 8 KV heads, MLP 11008, vocabulary
 32000, ~0.62 B parameters) at seq 8192, batch 1, bf16 (DeepSpeed's bf16 optimizer, ZeRO 0, torch's
@@ -12,14 +12,17 @@ AdamW), gpipe, 1 and 8 uniform slices. ``--tiny`` (a CPU, in the tests): a Llama
 128, fp32, 1 and 4 slices; the captured blocks then run eagerly through the same object. Each variant
 is a fresh engine from the same seed; ``ms`` is the median wall time of ``train_batch`` (the device
 synchronized before and after) over REPEATS steps after WARMUP, ``loss`` the last step's loss.
+OUT_JSON is rewritten after each engine (a rank stopped midway leaves what it finished); ``--seconds``:
+no engine starts after that many seconds (those are listed in "not_run").
 Weight gradients as the engine runs them by default (``defer_weight_grads``): scheduled W's with the
 blocks eager; with them captured, the blocks' once per sequence inside their graphs (``weight_grads``
 says which). Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss",
-"weight_grads"}], "errors"}.
+"weight_grads"}], "errors", "not_run"}.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -77,7 +80,7 @@ def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
     return statistics.median(times), loss
 
 
-def measure(label: str, compiled: bool = True) -> dict:
+def measure(label: str, path: str, compiled: bool = True, seconds: float | None = None) -> dict:
     from transformers import LlamaConfig
 
     from tp_trainer.checkpoint import meta_model
@@ -87,13 +90,17 @@ def measure(label: str, compiled: bool = True) -> dict:
                          intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab,
                          max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "sdpa"
-    out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}}
+    out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}, "not_run": []}
+    stop_at = None if seconds is None else time.monotonic() + seconds
     backend = "inductor" if torch.cuda.is_available() else "aot_eager"
     for blocks, (captured, compile_them) in BLOCKS.items():
         if compile_them and not compiled:
             continue
         for slices in counts:
             name = f"{slices} slices, {blocks}"
+            if stop_at is not None and time.monotonic() >= stop_at:
+                out["not_run"].append(f"engine step, {name}")
+                continue
             try:
                 ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None)
                 engine, *_ = initialize(meta_model(config), ds, seed=1)
@@ -110,14 +117,24 @@ def measure(label: str, compiled: bool = True) -> dict:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            _write(out, path)   # what is finished, should the rank be stopped
+    _write(out, path)
     return out
 
 
-def main() -> None:
-    path, tiny = sys.argv[1], "--tiny" in sys.argv[2:]
-    result = measure("llama-w64" if tiny else "llama-7b-pair", compiled="--no_compiled" not in sys.argv[2:])
+def _write(out: dict, path: str) -> None:
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
+        json.dump(out, handle, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_json")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--no_compiled", action="store_true")
+    parser.add_argument("--seconds", type=float, default=None)
+    args = parser.parse_args()
+    measure("llama-w64" if args.tiny else "llama-7b-pair", args.out_json, not args.no_compiled, args.seconds)
 
 
 if __name__ == "__main__":

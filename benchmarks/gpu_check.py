@@ -1,7 +1,7 @@
 """One command that checks the GPU path, measures what slicing costs there, and calibrates the cost models.
 
     python benchmarks/gpu_check.py [--device auto|cpu] [--steps engine,slices,calibration,multi] [--quick]
-                                   [--sizes small|full] [--out DIR] [--budget S]
+                                   [--sizes small|full] [--out DIR] [--budget S] [--deadline S]
     bash scripts/gpu_check.sh [same flags]       # sets up .venv with a CUDA torch first
 
 Steps (each result says which device it ran on; a step that cannot run here says why):
@@ -26,7 +26,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      1..64 slices against the plain HF blocks; 5. the analytic device model of
      benchmarks/paper_sim.py fitted to step 4, and the paper-scale table rerun with it.
   multi   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048.
-The engine and multi-GPU steps need CUDA; without it they are reported as skipped.
+The engine and multi-GPU steps need CUDA; without it they are reported as skipped. ``--deadline S``
+(for a timed lease: e.g. 480 under a 600 s limit): after S seconds no block set, variant, engine or
+step starts; the report lists what was not run and is written in time.
 Writes DIR/gpu_check.{md,json} (the slice step's records at the JSON's top level: ``slice_cost``,
 ``attention_kernels``, ``attention_bytes_per_slice``, ...) and, with steps 4-5, DIR/cost_curve.png
 (default benchmarks/results/gpu/, or benchmarks/results/gpu/cpu/ on a CPU).
@@ -75,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", default="engine,slices,calibration,multi",
                    help="comma-separated steps to run: engine (1-3), slices (eager vs captured, _gpu_slices.py), "
                         "calibration (4-5), multi (2+ GPUs); the others are reported as skipped")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after which no measurement starts (what is left is listed as not run); the "
+                        "report is still written")
     p.add_argument("--quick", action="store_true",
                    help="the slice step only, at 1, 8 and 32 slices (its eager and captured sets: 3 minutes on an H100)")
     return p.parse_args(argv)
@@ -131,11 +136,12 @@ def gpu_missing(env: dict) -> str | None:
             f"(CUDA build: {env['torch_cuda']}), torch.cuda.is_available() {env['cuda_available']}, {seen}")
 
 
-def engine_steps(env: dict, device_flag: str, steps: int, skip: bool = False) -> list[dict]:
-    """Steps 1-3 on the GPU, or the three skips with their reason."""
+def engine_steps(env: dict, device_flag: str, steps: int, skip: str | None = None, late: bool = False) -> list[dict]:
+    """Steps 1-3 on the GPU, or the three skips with their reason (``skip``: why they are not asked
+    for; ``late``: past --deadline)."""
     import _gpu_steps as gs
-    why = ("--no_engine_steps was given" if skip else "--device cpu was given" if device_flag == "cpu"
-           else gpu_missing(env))
+    why = skip or ("--device cpu was given" if device_flag == "cpu" else
+                   gpu_missing(env) or ("past --deadline" if late else None))
     if why:
         return [gs.skipped(name, why) for name in ("1 exactness, 1 stage, fp32 (TF32 off) vs HF",
                                                    "2 fp16 vs fp32", "3 bf16 vs fp32")]
@@ -148,13 +154,15 @@ def engine_steps(env: dict, device_flag: str, steps: int, skip: bool = False) ->
     return out
 
 
+MULTI_NAME = "2+ GPUs: compare.py with NCCL, long context"
+
+
 def multi_gpu(env: dict, device_flag: str, out_dir: str) -> list[dict]:
     import _gpu_steps as gs
     if device_flag == "cpu" or gpu_missing(env):
-        return [gs.skipped("2+ GPUs: compare.py with NCCL, long context", "--device cpu was given"
-                           if device_flag == "cpu" else gpu_missing(env))]
+        return [gs.skipped(MULTI_NAME, "--device cpu was given" if device_flag == "cpu" else gpu_missing(env))]
     if env["gpus"] < 2:
-        return [gs.skipped("2+ GPUs: compare.py with NCCL, long context",
+        return [gs.skipped(MULTI_NAME,
                            f"{env['gpus']} GPU here: NCCL refuses two ranks on one device")]
     return gs.multi_gpu_runs(env["gpus"], out_dir)
 
@@ -246,6 +254,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from engine, slices, "
                          "calibration, multi")
     start = time.perf_counter()
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
+
+    def past_deadline() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
     env = environment()
     gpu = args.device != "cpu" and gpu_missing(env) is None
     sizes = dict(SIZES[args.sizes or ("full" if gpu else "small")])
@@ -261,17 +273,23 @@ def main(argv=None) -> dict:
         import _gpu_slices
         slices = _gpu_slices.run(torch.device(device), args.quick,
                                  lambda line: print(f"[gpu_check] slices: {line}", flush=True),
-                                 keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off")
+                                 keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off",
+                                 deadline=deadline)
         _keep(out_dir, "slices", slices)
-    steps = engine_steps(env, args.device, sizes["steps"], args.no_engine_steps or "engine" not in steps_asked)
+    not_asked = ("--no_engine_steps was given" if args.no_engine_steps else
+                 None if "engine" in steps_asked else "not in --steps")
+    steps = engine_steps(env, args.device, sizes["steps"], not_asked, past_deadline())
     _keep(out_dir, "steps1to3", steps)
-    calib = (calibration(env, device, sizes, args.compile, out_dir) if "calibration" in steps_asked else
-             {"skipped": "not in --steps", "spec": None, "sets": [], "groups": [], "gemm_sweeps": []})
+    calib = (calibration(env, device, sizes, args.compile, out_dir)
+             if "calibration" in steps_asked and not past_deadline() else
+             {"skipped": "past --deadline" if "calibration" in steps_asked else "not in --steps", "spec": None,
+              "sets": [], "groups": [], "gemm_sweeps": []})
     import _gpu_report as gr
     paper = (gr.paper_table(calib["spec"], only_175b=args.paper == "175b") if calib["spec"] is not None else
              {"rows": [], "text": "Paper-scale table: skipped (step 5 did not resolve a device model).", "175b": None})
-    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked else
-             [{"name": "2+ GPUs: compare.py with NCCL, long context", "status": "skipped", "why": "not in --steps"}])
+    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked and not past_deadline() else
+             [{"name": MULTI_NAME, "status": "skipped",
+               "why": "past --deadline" if "multi" in steps_asked else "not in --steps"}])
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
     for name in ("steps1to3", "step4", "slices"):
         if os.path.exists(os.path.join(out_dir, f"partial_{name}.json")):

@@ -143,7 +143,7 @@ def test_engine_steps_can_be_skipped():
     import gpu_check
     env = {"accelerator": "cuda", "cuda_available": True, "nvidia_smi_gpus": "GPU 0", "torch": "x",
            "torch_cuda": "13.0", "device_name": "H100"}
-    steps = gpu_check.engine_steps(env, "auto", 50, skip=True)
+    steps = gpu_check.engine_steps(env, "auto", 50, skip="--no_engine_steps was given")
     assert [s["status"] for s in steps] == ["skipped"] * 3
     assert all(s["why"] == "--no_engine_steps was given" for s in steps)
 
@@ -219,3 +219,32 @@ def test_slice_exactness_can_fail(monkeypatch):
     monkeypatch.setattr(cap.SlicedRun, "__init__", patched)
     result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64)
     assert not result["passed"]
+
+
+def test_deadline_leaves_what_is_left_listed(tmp_path):
+    """--deadline: past it nothing more starts, and the report says what was not run. A block set's
+    later variants (here the compiled one), the engine step's engines (its file written all the same)
+    and, with --deadline 0, every set, the engine step and the steps after the slices."""
+    import _gpu_capture as cap
+    import _gpu_stage
+    import torch
+    checks = iter([False, True])   # the deadline passes after the first variant
+    measured = cap.measure_set("gpt2-w64", cap.CPU_SETS["gpt2-w64"], (1, 4), torch.device("cpu"), torch.float32, 1,
+                               lambda line: None, past_deadline=lambda: next(checks))
+    assert {r["compiled"] for r in measured["records"]} == {False} and len(measured["records"]) == 2
+    assert len(measured["not_run"]) == 1 and "compiled=True" in measured["not_run"][0]
+    stage = _gpu_stage.measure("llama-w64", str(tmp_path / "stage.json"), compiled=False, seconds=0)
+    assert stage["records"] == [] and sorted(stage["not_run"]) == [
+        f"engine step, {s} slices, {blocks}" for s in (1, 4) for blocks in ("captured", "eager")]
+    assert json.loads((tmp_path / "stage.json").read_text()) == stage
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out",
+                           str(tmp_path), "--steps", "slices,calibration", "--deadline", "0"],
+                          cwd=ROOT, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["slice_cost"] == [] and report["not_run"] == ["gpt2-w64: the whole set", "llama-w64: the whole set",
+                                                                "the whole 1-stage engine step"]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "Not run (past --deadline):" in text and "- llama-w64: the whole set" in text
+    assert report["calibration"]["skipped"] == "past --deadline" and "Steps 4-5: skipped (past --deadline)" in text
+    assert [s["why"] for s in report["steps"]] == ["not in --steps"] * 3
