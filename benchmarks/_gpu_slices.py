@@ -139,13 +139,17 @@ def simulate(cost, seq_len: int, whole_hf_ms: float, whole_captured_ms: float | 
     return rows
 
 
+def past(deadline: float | None) -> bool:
+    """Whether ``deadline`` (a ``time.monotonic()`` value, gpu_check's --deadline; None: none) has passed."""
+    return deadline is not None and time.monotonic() >= deadline
+
+
 def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: float | None = None) -> dict:
     """The whole slice step; every part's failure is recorded with its traceback, not raised.
     ``compiled``: also the variants with the blocks compiled around their attention. ``deadline``
-    (``time.monotonic()``, gpu_check's --deadline): past it no block set, variant or engine starts;
-    what was not run is listed in "not_run"."""
+    (``past``): past it no block set, variant or engine starts; what was not run is listed in "not_run"."""
     def past_deadline() -> bool:
-        return deadline is not None and time.monotonic() >= deadline
+        return past(deadline)
 
     gpu = device.type == "cuda"
     sets = cap.SETS if gpu else cap.CPU_SETS

@@ -27,8 +27,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      benchmarks/paper_sim.py fitted to step 4, and the paper-scale table rerun with it.
   multi   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048.
 The engine and multi-GPU steps need CUDA; without it they are reported as skipped. ``--deadline S``
-(for a timed lease: e.g. 480 under a 600 s limit): after S seconds no block set, variant, engine or
-step starts; the report lists what was not run and is written in time.
+(for a timed lease; counted from this script's start, after gpu_check.sh's setup: e.g. 360 under a
+600 s limit): after S seconds no block set, variant, engine or step starts; the report lists what was
+not run and is written in time.
 Writes DIR/gpu_check.{md,json} (the slice step's records at the JSON's top level: ``slice_cost``,
 ``attention_kernels``, ``attention_bytes_per_slice``, ...) and, with steps 4-5, DIR/cost_curve.png
 (default benchmarks/results/gpu/, or benchmarks/results/gpu/cpu/ on a CPU).
@@ -255,9 +256,7 @@ def main(argv=None) -> dict:
                          "calibration, multi")
     start = time.perf_counter()
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
-
-    def past_deadline() -> bool:
-        return deadline is not None and time.monotonic() >= deadline
+    import _gpu_slices
     env = environment()
     gpu = args.device != "cpu" and gpu_missing(env) is None
     sizes = dict(SIZES[args.sizes or ("full" if gpu else "small")])
@@ -270,7 +269,6 @@ def main(argv=None) -> dict:
     device = get_accelerator().device_name(0) if gpu else "cpu"
     slices = None
     if "slices" in steps_asked:   # first: the figures a lent GPU is wanted for
-        import _gpu_slices
         slices = _gpu_slices.run(torch.device(device), args.quick,
                                  lambda line: print(f"[gpu_check] slices: {line}", flush=True),
                                  keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off",
@@ -278,16 +276,16 @@ def main(argv=None) -> dict:
         _keep(out_dir, "slices", slices)
     not_asked = ("--no_engine_steps was given" if args.no_engine_steps else
                  None if "engine" in steps_asked else "not in --steps")
-    steps = engine_steps(env, args.device, sizes["steps"], not_asked, past_deadline())
+    steps = engine_steps(env, args.device, sizes["steps"], not_asked, _gpu_slices.past(deadline))
     _keep(out_dir, "steps1to3", steps)
     calib = (calibration(env, device, sizes, args.compile, out_dir)
-             if "calibration" in steps_asked and not past_deadline() else
+             if "calibration" in steps_asked and not _gpu_slices.past(deadline) else
              {"skipped": "past --deadline" if "calibration" in steps_asked else "not in --steps", "spec": None,
               "sets": [], "groups": [], "gemm_sweeps": []})
     import _gpu_report as gr
     paper = (gr.paper_table(calib["spec"], only_175b=args.paper == "175b") if calib["spec"] is not None else
              {"rows": [], "text": "Paper-scale table: skipped (step 5 did not resolve a device model).", "175b": None})
-    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked and not past_deadline() else
+    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked and not _gpu_slices.past(deadline) else
              [{"name": MULTI_NAME, "status": "skipped",
                "why": "past --deadline" if "multi" in steps_asked else "not in --steps"}])
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
