@@ -278,16 +278,19 @@ def main(argv=None) -> dict:
                  None if "engine" in steps_asked else "not in --steps")
     steps = engine_steps(env, args.device, sizes["steps"], not_asked, _gpu_slices.past(deadline))
     _keep(out_dir, "steps1to3", steps)
-    calib = (calibration(env, device, sizes, args.compile, out_dir)
-             if "calibration" in steps_asked and not _gpu_slices.past(deadline) else
-             {"skipped": "past --deadline" if "calibration" in steps_asked else "not in --steps", "spec": None,
-              "sets": [], "groups": [], "gemm_sweeps": []})
+    def not_run(step: str) -> str | None:   # why a later step does not run (None: it runs)
+        return ("not in --steps" if step not in steps_asked else
+                "past --deadline" if _gpu_slices.past(deadline) else None)
+
+    why = not_run("calibration")
+    calib = (calibration(env, device, sizes, args.compile, out_dir) if why is None else
+             {"skipped": why, "spec": None, "sets": [], "groups": [], "gemm_sweeps": []})
     import _gpu_report as gr
     paper = (gr.paper_table(calib["spec"], only_175b=args.paper == "175b") if calib["spec"] is not None else
              {"rows": [], "text": "Paper-scale table: skipped (step 5 did not resolve a device model).", "175b": None})
-    multi = (multi_gpu(env, args.device, out_dir) if "multi" in steps_asked and not _gpu_slices.past(deadline) else
-             [{"name": MULTI_NAME, "status": "skipped",
-               "why": "past --deadline" if "multi" in steps_asked else "not in --steps"}])
+    why = not_run("multi")
+    multi = (multi_gpu(env, args.device, out_dir) if why is None else
+             [{"name": MULTI_NAME, "status": "skipped", "why": why}])
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
     for name in ("steps1to3", "step4", "slices"):
         if os.path.exists(os.path.join(out_dir, f"partial_{name}.json")):

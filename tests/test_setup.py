@@ -20,18 +20,19 @@ PTH = Path(sysconfig.get_paths()["purelib"]) / "tp_trainer_torch_extensions.pth"
 pytestmark = pytest.mark.skipif(not PTH.exists(), reason="not the venv made by scripts/setup.sh")
 
 
+def extensions_dir_seen(env: dict) -> str:
+    """TORCH_EXTENSIONS_DIR as a new python of this venv, started with ``env``, sees it."""
+    return subprocess.run([sys.executable, "-c", "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
 def test_a_new_python_of_the_venv_builds_its_ops_under_the_venv():
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == os.path.join(sys.prefix, "torch_extensions")
+    assert extensions_dir_seen(env) == os.path.join(sys.prefix, "torch_extensions")
 
 
 def test_an_explicit_dir_wins():
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"],
-                         env={**os.environ, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "/elsewhere"
+    assert extensions_dir_seen({**os.environ, "TORCH_EXTENSIONS_DIR": "/elsewhere"}) == "/elsewhere"
 
 
 @pytest.mark.parametrize("op", ["deepspeed_shm_comm", "fused_adam"])
