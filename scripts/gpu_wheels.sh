@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheels a lent GPU machine lacks, for GPU_CHECK_WHEELS (scripts/gpu_check.sh): such a machine
 # has no package index, but its python (3.12) already holds a CUDA torch. Run here, after
-# scripts/setup.sh; writes .whl/ (ignored by git: add `/.whl/` to .git/info/exclude) and prints
+# scripts/setup.sh; writes .whl/ (ignored by git) and prints
 # its size. DeepSpeed is built from its sdist with no ops (pure Python; ops JIT-build there).
 #   bash scripts/gpu_wheels.sh && GPU_CHECK_PYTHON=python3 GPU_CHECK_WHEELS=.whl bash scripts/gpu_check.sh
 set -euo pipefail
