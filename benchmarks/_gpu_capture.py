@@ -22,6 +22,7 @@ its context, and exactness against a float64 HF run.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import traceback
@@ -113,8 +114,10 @@ def variants(device, compiled: bool = True) -> list[Variant]:
 
 
 def compile_backend(device) -> str:
-    """inductor on a GPU; aot_eager on a CPU (seconds to compile rather than a minute: the plumbing)."""
-    return "inductor" if device.type == "cuda" else "aot_eager"
+    """inductor on a GPU; aot_eager on a CPU (seconds to compile rather than a minute: the plumbing).
+    ``GPU_CHECK_COMPILE_BACKEND`` overrides it (scripts/gpu_rehearse.sh: inductor on a CPU, so the
+    lent machine's torch lowers the same graphs before the lease)."""
+    return os.environ.get("GPU_CHECK_COMPILE_BACKEND") or ("inductor" if device.type == "cuda" else "aot_eager")
 
 
 class SlicedRun:

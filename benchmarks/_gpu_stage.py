@@ -1,7 +1,7 @@
 """gpu_check's engine step: a whole 1-stage training step through TeraPipeEngine (embedding, decoder
 blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eager against captured
 (``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``) and captured with each block
-compiled around its attention (``terapipe.compile_blocks``: inductor; aot_eager on a CPU). One rank, started by
+compiled around its attention (``terapipe.compile_blocks``: ``_gpu_capture.compile_backend``). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
 
     _gpu_stage.py OUT_JSON [--tiny] [--no_compiled] [--seconds S]
@@ -83,6 +83,7 @@ def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
 def measure(label: str, path: str, compiled: bool = True, seconds: float | None = None) -> dict:
     from transformers import LlamaConfig
 
+    from _gpu_capture import compile_backend
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
     hidden, heads, kv_heads, inter, layers, vocab, seq_len, counts, precision = SETS[label]
@@ -92,7 +93,7 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
     config._attn_implementation = "sdpa"
     out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}, "not_run": []}
     stop_at = None if seconds is None else time.monotonic() + seconds
-    backend = "inductor" if torch.cuda.is_available() else "aot_eager"
+    backend = compile_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     for blocks, (captured, compile_them) in BLOCKS.items():
         if compile_them and not compiled:
             continue

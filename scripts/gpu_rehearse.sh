@@ -2,7 +2,8 @@
 # Rehearse a lent GPU machine's run here, on the CPU, before spending its minutes: the same Python
 # (3.12) and torch (2.11.0, the image's) as there, the same carried wheels (.whl, scripts/gpu_wheels.sh)
 # installed the same way (GPU_CHECK_PYTHON / GPU_CHECK_WHEELS), then gpu_check.sh --quick (the CPU
-# block sets; the CUDA-only variants are not run) and the tests of the slice path's CPU parts.
+# block sets, compiled with inductor; the CUDA-only variants are not run) and the tests of the slice
+# path's CPU parts.
 # What it cannot catch: anything that only CUDA runs (graph capture, flash / cuDNN kernels, NCCL).
 #   bash scripts/gpu_rehearse.sh [gpu_check flags]      # e.g. --compile off
 # REHEARSE_TORCH (default 2.11.0) and REHEARSE_PYTHON (default: pyenv's 3.12) pick the pair; the
@@ -35,6 +36,8 @@ if [ ! -f "$stamp" ]; then
 fi
 [ -d .whl ] || bash scripts/gpu_wheels.sh
 export GPU_CHECK_PYTHON=$PWD/.rehearse/bin/python GPU_CHECK_WHEELS=.whl GPU_CHECK_SITE=$PWD/.rehearse/site
+# the compiled variants through inductor as on the GPU (its C++ backend here; aot_eager is the CPU's default)
+export GPU_CHECK_COMPILE_BACKEND=${GPU_CHECK_COMPILE_BACKEND:-inductor}
 rm -rf "$GPU_CHECK_SITE"
 bash scripts/gpu_check.sh --quick --deadline 360 --out .rehearse/gpu_check "$@"
 # gpu_check records a failing part in its report and goes on (a lent GPU's minutes are not lost to it):
