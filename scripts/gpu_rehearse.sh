@@ -22,7 +22,8 @@ if [ -z "$py" ]; then
   echo "error: no Python 3.12 found (the lent machine runs 3.12); set REHEARSE_PYTHON to one" >&2
   exit 2
 fi
-stamp=".rehearse/.torch-$torch_version"
+# a new torch version or a change to this script (its package list) makes the venv again
+stamp=".rehearse/.torch-$torch_version-$(sha1sum < scripts/gpu_rehearse.sh | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   rm -rf .rehearse
   "$py" -m venv .rehearse
@@ -53,12 +54,13 @@ if not report.get("slice_cost"):
     problems.append("no slice_cost records")
 if problems:
     sys.exit("error: the rehearsal's gpu_check report has " + "; ".join(problems))
-print(f"[gpu_rehearse] gpu_check: {len(report['slice_cost'])} slice_cost records, exactness passed, no errors")
+env = report["environment"]
+print(f"[gpu_rehearse] gpu_check under Python {env['python']}, torch {env['torch']}: "
+      f"{len(report['slice_cost'])} slice_cost records, exactness passed, no errors")
 PY
 # the CPU parts of the slice path (attention over the cache, capture bookkeeping, compile) under that torch
 PYTHONPATH="$GPU_CHECK_SITE:$PWD" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   "$GPU_CHECK_PYTHON" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py tests/test_capture.py \
   tests/test_captured_blocks.py tests/test_compiled_blocks.py tests/test_slice_attention.py \
   tests/test_slice_cache.py tests/test_slice_compile.py tests/test_kv_handoff.py tests/test_weight_grad.py
-echo "[gpu_rehearse] passed under Python $("$GPU_CHECK_PYTHON" -c 'import platform; print(platform.python_version())')," \
-     "torch $("$GPU_CHECK_PYTHON" -c 'import torch; print(torch.__version__)'); report: .rehearse/gpu_check/"
+echo "[gpu_rehearse] passed; report: .rehearse/gpu_check/"
