@@ -202,31 +202,43 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
 
 
 def engine_step(gpu: bool, log, compiled: bool = True, seconds: float | None = None) -> dict:
-    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors", "not_run"}; a
-    rank that fails is recorded in "errors", not raised, with the engines it finished (it writes its
-    file after each). ``seconds``: no engine starts after that many, and the rank is stopped 2 minutes
-    later."""
+    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors", "not_run"}. A rank stops at the first engine that fails (recorded in "errors", not raised); the
+    engines after it run in a fresh rank. ``seconds``: no engine starts after that many, and each rank
+    is stopped 2 minutes later."""
     from multirank import run_ranks
+
+    import _gpu_stage
     path = os.path.join(tempfile.mkdtemp(prefix="gpu_check_stage_"), "stage.json")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_gpu_stage.py")
-    args = ([path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
-            + ([] if seconds is None else ["--seconds", f"{seconds:.0f}"]))
+    total = len(_gpu_stage.variants("llama-7b-pair" if gpu else "llama-w64", compiled))
+    stop_at = None if seconds is None else time.monotonic() + seconds
+    finished = {"records": [], "errors": {}, "not_run": []}
+    while (done := sum(len(finished.get(k, ())) for k in ("records", "errors", "not_run"))) < total:
+        left = None if stop_at is None else max(0.0, stop_at - time.monotonic())
+        args = ([path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
+                + ([] if left is None else ["--seconds", f"{left:.0f}"]) + (["--start", str(done)] if done else []))
+        try:
+            for line in run_ranks(worker, 1, args, timeout=1200 if left is None else left + 120)[0].splitlines():
+                if line.startswith("[gpu_check] engine step"):
+                    log(line.removeprefix("[gpu_check] "))
+        except Exception:  # noqa: BLE001 -- the rest of the report is still written
+            failure = traceback.format_exc()[-3000:]
+            log(f"engine step: FAILED\n{failure[-1500:]}")
+            finished = _read_stage(path, finished)
+            return {**finished, "errors": {**finished.get("errors", {}), "engine step": failure}}
+        before, finished = done, _read_stage(path, finished)
+        if sum(len(finished.get(k, ())) for k in ("records", "errors", "not_run")) == before:
+            break   # the rank added nothing: do not start it again
+    return finished
+
+
+def _read_stage(path: str, default: dict) -> dict:
+    """What ``_gpu_stage.py`` wrote to ``path`` (the engines it finished), else ``default``."""
     try:
-        for line in run_ranks(worker, 1, args, timeout=1200 if seconds is None else seconds + 120)[0].splitlines():
-            if line.startswith("[gpu_check] engine step"):
-                log(line.removeprefix("[gpu_check] "))
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
-    except Exception:  # noqa: BLE001 -- the rest of the report is still written
-        failure = traceback.format_exc()[-3000:]
-        log(f"engine step: FAILED\n{failure[-1500:]}")
-    finished = {"records": []}
-    try:   # the engines the rank finished before it failed or was stopped
-        with open(path, encoding="utf-8") as handle:
-            finished = json.load(handle)
     except (OSError, ValueError):
-        pass
-    return {**finished, "errors": {**finished.get("errors", {}), "engine step": failure}}
+        return default
 
 
 def _cell(value, fmt="{:.2f}") -> str:
@@ -274,7 +286,7 @@ def engine_step_lines(step: dict) -> list[str]:
     lines += [""] + [f"- weight gradients, blocks {mode}: {next(r['weight_grads'] for r in recs if r['blocks'] == mode)}"
                      for mode in ENGINE_BLOCKS if any(r["blocks"] == mode for r in recs)]
     for name, err in step.get("errors", {}).items():
-        lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-1500:], "```"]
+        lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-3000:], "```"]
     return lines + [""]
 
 

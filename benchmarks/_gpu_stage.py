@@ -4,7 +4,7 @@ blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eage
 compiled around its attention (``terapipe.compile_blocks``: ``_gpu_capture.compile_backend``). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
 
-    _gpu_stage.py OUT_JSON [--tiny] [--no_compiled] [--seconds S]
+    _gpu_stage.py OUT_JSON [--tiny] [--no_compiled] [--seconds S] [--start K]
 
 On a GPU: the Llama 7B-width pair (2 layers, width 4096, 32 heads, 8 KV heads, MLP 11008, vocabulary
 32000, ~0.62 B parameters) at seq 8192, batch 1, bf16 (DeepSpeed's bf16 optimizer, ZeRO 0, torch's
@@ -13,7 +13,9 @@ AdamW), gpipe, 1 and 8 uniform slices. ``--tiny`` (a CPU, in the tests): a Llama
 is a fresh engine from the same seed; ``ms`` is the median wall time of ``train_batch`` (the device
 synchronized before and after) over REPEATS steps after WARMUP, ``loss`` the last step's loss.
 OUT_JSON is rewritten after each engine (a rank stopped midway leaves what it finished); ``--seconds``:
-no engine starts after that many seconds (those are listed in "not_run").
+no engine starts after that many seconds (those are listed in "not_run"). The rank stops at the first
+engine that fails (its error: ``failure_text``); ``--start K`` runs ``variants()[K:]`` in a fresh
+process, adding to OUT_JSON.
 Weight gradients as the engine runs them by default (``defer_weight_grads``): scheduled W's with the
 blocks eager; with them captured, the blocks' once per sequence inside their graphs (``weight_grads``
 says which). Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss",
@@ -80,7 +82,18 @@ def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
     return statistics.median(times), loss
 
 
-def measure(label: str, path: str, compiled: bool = True, seconds: float | None = None) -> dict:
+def variants(label: str, compiled: bool = True) -> list[tuple[str, int, str]]:
+    """(name, slices, blocks) of each engine the step times, in order: blocks eager, captured, then
+    (``compiled``) captured and compiled, the compiled last (its compile should not cost the others)."""
+    return [(f"{slices} slices, {blocks}", slices, blocks) for blocks, (_, compile_them) in BLOCKS.items()
+            if compiled or not compile_them for slices in SETS[label][7]]
+
+
+def measure(label: str, path: str, compiled: bool = True, seconds: float | None = None, start: int = 0) -> dict:
+    """Time ``variants(label, compiled)[start:]``, adding to what ``path`` holds when ``start`` > 0.
+    Stops at the first engine that fails: a failed capture can leave the process's device unusable
+    (its random generator still in capture mode), so ``_gpu_slices.engine_step`` starts the rest in a
+    fresh process."""
     from transformers import LlamaConfig
 
     from _gpu_capture import compile_backend
@@ -92,35 +105,50 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
                          max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0)
     config._attn_implementation = "sdpa"
     out = {"model": label, "seq_len": seq_len, "dtype": precision, "records": [], "errors": {}, "not_run": []}
+    if start:
+        with open(path, encoding="utf-8") as handle:
+            out = json.load(handle)
     stop_at = None if seconds is None else time.monotonic() + seconds
     backend = compile_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    for blocks, (captured, compile_them) in BLOCKS.items():
-        if compile_them and not compiled:
+    for name, slices, blocks in variants(label, compiled)[start:]:
+        captured, compile_them = BLOCKS[blocks]
+        if stop_at is not None and time.monotonic() >= stop_at:
+            out["not_run"].append(f"engine step, {name}")
             continue
-        for slices in counts:
-            name = f"{slices} slices, {blocks}"
-            if stop_at is not None and time.monotonic() >= stop_at:
-                out["not_run"].append(f"engine step, {name}")
-                continue
-            try:
-                ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None)
-                engine, *_ = initialize(meta_model(config), ds, seed=1)
-                ms, loss = timed_steps(engine, vocab, seq_len)
-                out["records"].append({"slices": slices, "blocks": blocks, "ms": ms, "loss": loss,
-                                       "weight_grads": engine.weight_grads_mode,
-                                       "compile_backend": backend if compile_them else None})
-                print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
-                      flush=True)
-            except Exception:  # noqa: BLE001 -- the other variants still run
-                out["errors"][name] = traceback.format_exc()[-1500:]
-                print(f"[gpu_check] engine step, {name}: FAILED\n{out['errors'][name]}", flush=True)
-            engine = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            _write(out, path)   # what is finished, should the rank be stopped
+        try:
+            ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None)
+            engine, *_ = initialize(meta_model(config), ds, seed=1)
+            ms, loss = timed_steps(engine, vocab, seq_len)
+            out["records"].append({"slices": slices, "blocks": blocks, "ms": ms, "loss": loss,
+                                   "weight_grads": engine.weight_grads_mode,
+                                   "compile_backend": backend if compile_them else None})
+            print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
+                  flush=True)
+        except Exception as err:  # noqa: BLE001 -- the other variants still run (in a fresh process)
+            out["errors"][name] = failure_text(err)
+            print(f"[gpu_check] engine step, {name}: FAILED\n{out['errors'][name]}", flush=True)
+            _write(out, path)
+            return out
+        engine = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        _write(out, path)   # what is finished, should the rank be stopped
     _write(out, path)
     return out
+
+
+def failure_text(err: BaseException, limit: int = 1500) -> str:
+    """``err``'s chain of exceptions as one line each, innermost (the root cause) first, then the end
+    of the innermost one's traceback: what a cut-off traceback of the outermost one loses."""
+    chain, seen = [], err
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    lines = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300] for e in reversed(chain)]
+    root = chain[-1]
+    trace = "".join(traceback.format_exception(type(root), root, root.__traceback__, chain=False))
+    return "\n".join(["exceptions, the root cause first:", *lines, "", "its traceback (end):", trace[-limit:]])
 
 
 def _write(out: dict, path: str) -> None:
@@ -134,8 +162,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no_compiled", action="store_true")
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument("--start", type=int, default=0, help="the first of variants() to run; OUT_JSON holds the earlier")
     args = parser.parse_args()
-    measure("llama-w64" if args.tiny else "llama-7b-pair", args.out_json, not args.no_compiled, args.seconds)
+    measure("llama-w64" if args.tiny else "llama-7b-pair", args.out_json, not args.no_compiled, args.seconds,
+            args.start)
 
 
 if __name__ == "__main__":

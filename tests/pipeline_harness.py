@@ -143,6 +143,29 @@ def captured_units(engine) -> int:
     return len(graphs.order) if graphs is not None else 0
 
 
+def graphs_reaching(params) -> int:
+    """Live tensors whose autograd graph reaches one of ``params`` (its gradient accumulator): each
+    keeps those accumulators alive, with the stream they were made on, into a later CUDA graph
+    capture (``ds_compat.detach_flat_copies``)."""
+    import gc
+    wanted = {id(p) for p in params}
+    found = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.grad_fn is None:
+            continue
+        stack, seen = [obj.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if id(getattr(node, "variable", None)) in wanted:
+                found += 1
+                break
+            stack += [child for child, _ in node.next_functions]
+    return found
+
+
 def save_rank(results: dict, out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 

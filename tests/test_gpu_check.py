@@ -248,3 +248,27 @@ def test_deadline_leaves_what_is_left_listed(tmp_path):
     assert "Not run (past --deadline):" in text and "- llama-w64: the whole set" in text
     assert report["calibration"]["skipped"] == "past --deadline" and "Steps 4-5: skipped (past --deadline)" in text
     assert [s["why"] for s in report["steps"]] == ["not in --steps"] * 3
+
+
+def test_engine_step_stops_at_a_failure_and_goes_on_from_it(tmp_path, monkeypatch):
+    """An engine that fails ends its rank (a failed capture can leave the device unusable) with its
+    error recorded root cause first; ``--start`` goes on with the engines after it in the same file."""
+    import _gpu_stage
+
+    import tp_trainer.initialize
+
+    def failing(*args, **kwargs):
+        try:
+            raise ValueError("the root cause")
+        except ValueError as err:
+            raise RuntimeError("what the caller saw") from err
+    monkeypatch.setattr(tp_trainer.initialize, "initialize", failing)
+    path = str(tmp_path / "stage.json")
+    first = _gpu_stage.measure("llama-w64", path, compiled=False)
+    assert first["records"] == [] and first["not_run"] == [] and list(first["errors"]) == ["1 slices, eager"]
+    text = first["errors"]["1 slices, eager"]
+    assert text.splitlines()[1:3] == ["ValueError: the root cause", "RuntimeError: what the caller saw"]
+    rest = _gpu_stage.measure("llama-w64", path, compiled=False, seconds=0, start=1)
+    names = [name for name, _, _ in _gpu_stage.variants("llama-w64", compiled=False)]
+    assert rest["errors"] == first["errors"] and rest["not_run"] == [f"engine step, {n}" for n in names[1:]]
+    assert json.loads((tmp_path / "stage.json").read_text()) == rest

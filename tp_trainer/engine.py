@@ -84,6 +84,8 @@ class TeraPipeEngine(PipelineEngine):
         # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
         self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=defer_weight_grads)
                          if cuda_graphs else None)
+        if self.captured is not None:   # no graph made before the capture may reach the blocks' parameters
+            ds_compat.detach_flat_copies(self.optimizer, self.module.parameters())
         if self.captured is not None and self.master_grads is not None:
             self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
         model_dtype, accumulation_dtype = self.get_data_types()

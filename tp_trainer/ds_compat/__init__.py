@@ -40,7 +40,7 @@ from .touches import OVERRIDES, PINNED, TOUCHES, Touch
 
 __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_override",
            "stage_forward", "loss_backward", "inner_stage_backward", "report_step",
-           "reduce_tied_grads", "reduce_grads", "optimizer_step", "set_global_grad_norm",
+           "reduce_tied_grads", "reduce_grads", "detach_flat_copies", "optimizer_step", "set_global_grad_norm",
            "shared_memory_op_loaded", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
            "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler", "clip_by_pipeline_norm"]
@@ -255,6 +255,37 @@ def loss_scaler(engine):
         return None
     optimizer = engine.optimizer
     return getattr(optimizer, "loss_scale_config", None) or getattr(optimizer, "loss_scaler", None)
+
+
+def detach_flat_copies(optimizer, params) -> int:
+    """Cut the autograd graph that DeepSpeed's ``BF16_Optimizer`` builds when it flattens the
+    parameters: it concatenates them with autograd on and keeps the flat tensor, its partitions and
+    each parameter's ``_hp_mapping.lp_fragment``, so a ``CatBackward0`` holds every parameter's
+    gradient accumulator for the whole run (ZeRO's optimizer too; fp16's without ZeRO keeps none). Those nodes
+    were made on the device's default stream; a CUDA graph that captures the blocks' backward then
+    waits on that stream and fails (cudaErrorStreamCaptureImplicit: "operation would make the
+    legacy stream depend on a capturing blocking stream", gpu_check on an H200). Each such tensor (in
+    the optimizer's attributes and lists, and the ``lp_fragment`` of each of ``params``) is replaced
+    by ``detach()`` of it: the same memory, no graph. Returns how many were replaced."""
+    replaced = 0
+
+    def cut(value):
+        nonlocal replaced
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            replaced += 1
+            return value.detach()
+        if isinstance(value, list):
+            return [cut(item) for item in value]
+        return value
+
+    for name, value in list(vars(optimizer).items()):
+        if isinstance(value, (torch.Tensor, list)):
+            setattr(optimizer, name, cut(value))
+    for param in params:
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None and getattr(mapping, "lp_fragment", None) is not None:
+            mapping.lp_fragment = cut(mapping.lp_fragment)
+    return replaced
 
 
 def uses_bf16_optimizer(engine) -> bool:

@@ -283,6 +283,16 @@ TOUCHES = (
           "checked 0.19.8", (STATE,)),
     Touch(f"{FRAGMENT}:tensor_fragment", "hp_fragment_address", "Where the fragment lies in the partition.",
           "checked 0.19.8", (STATE,)),
+    Touch(f"{FRAGMENT}:tensor_fragment", "lp_fragment", "The parameter's slice of the bf16 optimizer's flat "
+          "tensor; taken with autograd on, so it holds the flattening's graph until ds_compat.detach_flat_copies "
+          "replaces it by its detach().", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",)),
+    Touch(BF16, "bf16_groups_flat", "The parameters concatenated into one tensor per group, with autograd on "
+          "(a CatBackward0 over every parameter's gradient accumulator, made on the default stream, kept for "
+          "the run); it and its partitions are cut from that graph before a CUDA graph capture "
+          "(ds_compat.detach_flat_copies).", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
+          instance_attr=True, source=(("_setup_for_real_optimizer", (
+              "self.bf16_groups_flat.append(", "self._flatten_dense_tensors_aligned(self.bf16_groups[i],",
+              "self.bf16_groups_flat[i].narrow(0, dp_index * partition_size, partition_size)")),)),
     Touch(f"{FRAGMENT}:fragment_address", "start", "Offset of a fragment address (with numel).",
           "checked 0.19.8", (STATE,)),
     Touch(f"{FRAGMENT}:fragment_address", "numel", "Length of a fragment address (with start).",
