@@ -282,10 +282,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     try:
         kernels = attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype)
         profiles = {"whole_hf": top_kernels(whole_step, device),
-                    "one_slice_eager": top_kernels(_sliced(layers, ctx, params, hidden, seq_len, 1, device, dtype, x,
-                                                           gy), device),
-                    "eight_slices_eager": top_kernels(_sliced(layers, ctx, params, hidden, seq_len, 8, device, dtype,
-                                                              x, gy), device)}
+                    **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy)}
         attn_bytes = attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype)
     except Exception:  # noqa: BLE001 -- recorded, the rest of the step still reported
         kernels = {"error": traceback.format_exc()[-1500:]}
@@ -297,10 +294,28 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             "profiles": profiles, "failures": failures, "not_run": not_run}
 
 
-def _sliced(layers, ctx, params, hidden, seq_len, slices, device, dtype, x, gy):
-    run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, False)
-    ins, gs = run.split(x, gy)
-    return lambda: run.step(ins, gs)
+def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy) -> dict:
+    """``top_kernels`` of 1 and 8 slices eager (weight gradients in B) and, on CUDA, captured as the
+    engine runs its blocks (weight gradients once per sequence, kernel auto); a run that fails is
+    recorded as {"error"}, the others still run."""
+    profiles = {}
+    for name, slices, captured in (("one_slice_eager", 1, False), ("eight_slices_eager", 8, False),
+                                   ("one_slice_captured", 1, True), ("eight_slices_captured", 8, True)):
+        if captured and device.type != "cuda":
+            continue
+        run = None
+        try:
+            run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, captured,
+                            "W per sequence" if captured else "in B")
+            ins, gs = run.split(x, gy)
+            profiles[name] = top_kernels(lambda: run.step(ins, gs), device)
+        except Exception:  # noqa: BLE001 -- recorded, the other profiles still run
+            profiles[name] = {"error": traceback.format_exc()[-1500:]}
+        finally:
+            if run is not None:
+                run.close()
+            _free(device)
+    return profiles
 
 
 def top_kernels(run, device, count: int = 15) -> dict:

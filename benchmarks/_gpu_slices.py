@@ -337,7 +337,9 @@ def markdown(result: dict, device_name: str) -> str:
                          f"{r['weight_grads']:.2e} | {r['passed']} |")
     for label, prof in result.get("profiles", {}).items():
         for name, found in prof.items():
-            if found:
+            if found and "error" in found:
+                lines += ["", f"Kernels, {label}, {name}: failed", "", "```", found["error"].strip(), "```"]
+            elif found:
                 lines += ["", f"Kernels, {label}, {name}: {found['calls']} launches, {found['device_ms']:.2f} ms of "
                           "device time; the longest (device ms, calls):", ""]
                 lines += [f"- {ms:.2f} ms x{n}: `{k[:110]}`" for k, ms, n in found["top"][:8]]

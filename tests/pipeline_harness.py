@@ -166,6 +166,19 @@ def graphs_reaching(params) -> int:
     return found
 
 
+def count_at_capture(engine) -> dict:
+    """{"count": ``graphs_reaching`` the engine's parameters when its ``CapturedBlocks`` prepare their
+    units (filled at the first training forward), or -1 while they have not}."""
+    found = {"count": -1}
+    prepare = engine.captured.prepare
+
+    def counted(*args, **kwargs):
+        found["count"] = graphs_reaching(engine.module.parameters())
+        return prepare(*args, **kwargs)
+    engine.captured.prepare = counted
+    return found
+
+
 def save_rank(results: dict, out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 

@@ -40,8 +40,10 @@ def _config(name: str, stages: int, zero: int) -> dict:
 
 
 def _train(name: str, stages: int, zero: int, out: str, steps: range, save_at: int | None = None,
-           resume: bool = False) -> dict:
+           resume: bool = False, cuda_graphs: bool = False) -> dict:
     from deepspeed import comm as dist
+
+    import pipeline_harness
 
     from tp_trainer import resume as tp_resume
     from tp_trainer.checkpoint import optimizer_state
@@ -49,6 +51,7 @@ def _train(name: str, stages: int, zero: int, out: str, steps: range, save_at: i
     from tp_trainer.resume_checks import check_resume
     model = ec.tiny_model(True)
     config = _config(name, stages, zero)
+    config["terapipe"]["cuda_graphs"] = cuda_graphs
     engine, *_ = initialize(model, config)
     case, replica = _case(stages), engine.grid.data_parallel_id
     result = {"losses": {}, "same_layout": None, "optimizer": type(engine.optimizer).__name__}
@@ -56,6 +59,8 @@ def _train(name: str, stages: int, zero: int, out: str, steps: range, save_at: i
         point = check_resume(out, "latest", config, lambda vocab: model.config, dist.get_world_size())
         result["same_layout"] = tp_resume.load(engine, point)[2]
         result["loss_scale"] = optimizer_state.loss_scale_state(engine)
+    if cuda_graphs:   # what reaches the parameters when the blocks are captured, after the load
+        result["graphs_reaching_params"] = pipeline_harness.count_at_capture(engine)
     for step in steps:
         batches = ec.batches(case, step, replica if stages == 1 else None)
         result["losses"][step] = float(engine.train_batch(iter(batches)))
@@ -75,4 +80,7 @@ def resume_runs(out_dir: str) -> dict:
         for stages, resumed_zero in resumed:
             results[f"{name}/{stages}x{resumed_zero}"] = _train(name, stages, resumed_zero, out,
                                                                   range(SAVED, STEPS), resume=True)
+    # terapipe.cuda_graphs after a load (its units run eagerly on a CPU)
+    results["bf16/2x0 captured"] = _train("bf16", 2, 0, os.path.join(out_dir, "resume-bf16"), range(SAVED, STEPS),
+                                          resume=True, cuda_graphs=True)
     return results

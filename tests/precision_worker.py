@@ -89,7 +89,9 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
     config = pc.ds_config(name, scheduled_w)
     config["terapipe"]["cuda_graphs"] = cuda_graphs
     engine, *_ = initialize(ec.tiny_model(case["tied"]), config)
-    graphs_reaching = pipeline_harness.graphs_reaching(engine.module.parameters())   # before any step
+    # live graphs reaching a parameter: where the blocks are captured, at the capture; else after initialize
+    graphs_reaching = (pipeline_harness.count_at_capture(engine) if cuda_graphs
+                       else {"count": pipeline_harness.graphs_reaching(engine.module.parameters())})
     named = hf_named_parameters(engine.module)
     counter = pc.PassCounter(engine)
     grads = {}
@@ -115,7 +117,7 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
               "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,
               "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id,
               "steps": int(engine.global_steps), "captured_units": pipeline_harness.captured_units(engine),
-              "graphs_reaching_params": graphs_reaching}
+              "graphs_reaching_params": graphs_reaching["count"]}
     if scheduled_w and name in OVERFLOW_CASES:
         result["overflow"] = forced_overflow_of(engine, "transformer.h.0.mlp.c_fc.weight",
                                                 lambda step: ec.batches(case, step), pc.STEPS, loss_scale_of)

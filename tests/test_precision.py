@@ -211,8 +211,9 @@ def test_no_graph_from_before_the_capture_reaches_the_parameters(w_runs, name):
     """DeepSpeed's bf16 optimizer flattens the parameters with autograd on and keeps the flat tensor,
     so every parameter's gradient accumulator stays alive from its construction, made on the default
     stream; a CUDA graph capturing the blocks' backward then fails (gpu_check on an H200). With
-    terapipe.cuda_graphs the engine cuts those graphs (``ds_compat.detach_flat_copies``); without it
-    they are there under bf16 (the count can tell); fp16's optimizer (ZeRO 0) keeps none."""
+    terapipe.cuda_graphs the engine cuts those graphs as it captures (``ds_compat.detach_flat_copies``;
+    counted there); without it they are there under bf16 (the count can tell); fp16's optimizer
+    (ZeRO 0) keeps none."""
     assert w_runs[f"{name}@graphs"]["graphs_reaching_params"] == (0, 0)
     if name.startswith("bf16"):
         assert all(count > 0 for count in w_runs[f"{name}@B"]["graphs_reaching_params"])
@@ -256,6 +257,17 @@ def test_bf16_without_zero_resumes_its_own_layout_bit_for_bit(resumed):
     run = resumed["bf16/2x0"]
     assert run["same_layout"] is False  # read from the layout-free form
     assert run["losses"] == {step: resumed["bf16/unbroken"]["losses"][step] for step in range(pr.SAVED, pr.STEPS)}
+
+
+def test_a_captured_run_resumed_follows_the_unbroken_run(resumed):
+    """terapipe.cuda_graphs after a load (bf16, its own layout): no graph from the load or the
+    optimizer reaches the parameters when the blocks are captured, and the steps follow the unbroken
+    run within bf16's noise."""
+    run = resumed["bf16/2x0 captured"]
+    assert run["graphs_reaching_params"] == {"count": 0}
+    assert sorted(run["losses"]) == list(range(pr.SAVED, pr.STEPS))
+    for step, loss in run["losses"].items():
+        assert loss == pytest.approx(resumed["bf16/unbroken"]["losses"][step], rel=NOISE_FLOOR["bf16"]), step
 
 
 def test_fp16_resume_keeps_the_loss_scale(resumed):

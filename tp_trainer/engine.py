@@ -84,8 +84,6 @@ class TeraPipeEngine(PipelineEngine):
         # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
         self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=defer_weight_grads)
                          if cuda_graphs else None)
-        if self.captured is not None:   # no graph made before the capture may reach the blocks' parameters
-            ds_compat.detach_flat_copies(self.optimizer, self.module.parameters())
         if self.captured is not None and self.master_grads is not None:
             self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
         model_dtype, accumulation_dtype = self.get_data_types()
@@ -295,6 +293,9 @@ class TeraPipeEngine(PipelineEngine):
         step is captured in the order of this stage's schedule."""
         self.captured.unit = (m, j)
         if self.captured.graphs is None and torch.is_grad_enabled():
+            # no graph made before the capture (the optimizer's flattening, a checkpoint's relink) may
+            # hold a parameter's gradient accumulator: it was made on the default stream
+            ds_compat.detach_flat_copies(self.optimizer, self.module.parameters())
             order = [("F" if type(i) is ForwardSlice else "B", i.microbatch, i.slice)
                      for i in self._train_program.instructions if isinstance(i, (ForwardSlice, BackwardSlice))]
             shapes = [[self._slice_shape(k) for k in range(len(self._slices))]] * self.micro_batches

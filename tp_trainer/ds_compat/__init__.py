@@ -261,7 +261,8 @@ def detach_flat_copies(optimizer, params) -> int:
     """Cut the autograd graph that DeepSpeed's ``BF16_Optimizer`` builds when it flattens the
     parameters: it concatenates them with autograd on and keeps the flat tensor, its partitions and
     each parameter's ``_hp_mapping.lp_fragment``, so a ``CatBackward0`` holds every parameter's
-    gradient accumulator for the whole run (ZeRO's optimizer too; fp16's without ZeRO keeps none). Those nodes
+    gradient accumulator for the whole run (ZeRO's optimizer too; fp16's without ZeRO keeps none),
+    and loading a checkpoint links each ``lp_fragment`` anew, as a view of its parameter. Those nodes
     were made on the device's default stream; a CUDA graph that captures the blocks' backward then
     waits on that stream and fails (cudaErrorStreamCaptureImplicit: "operation would make the
     legacy stream depend on a capturing blocking stream", gpu_check on an H200). Each such tensor (in
