@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import traceback
 from typing import NamedTuple
 
 import torch
@@ -35,6 +34,7 @@ from tp_trainer.model.capture import WEIGHT_MODES
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 
 from _gpu_cost import uniform_offsets
+from _gpu_profile import failure_text, top_kernels
 
 SETS = {  # label: (family, hidden, heads, kv heads, intermediate, blocks, seq_len)
     "gpt2-medium": ("gpt2", 1024, 16, 16, 4096, 4, 2048),
@@ -257,10 +257,10 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
                 if mode_captured and weights != "W per sequence" and kernel == "cudnn":
                     samples.setdefault(weights, []).extend(unit_samples(run, ins, gs))
-            except Exception:  # noqa: BLE001 -- the other variants still run
+            except Exception as err:  # noqa: BLE001 -- the other variants still run
                 if run is not None:
                     run.close()
-                failures.append(f"{label} {variant} {slices} slices: " + traceback.format_exc()[-1500:])
+                failures.append(f"{label} {variant} {slices} slices: " + failure_text(err))
                 log(failures[-1])
                 _free(device)
                 break
@@ -284,8 +284,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
         profiles = {"whole_hf": top_kernels(whole_step, device),
                     **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy)}
         attn_bytes = attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype)
-    except Exception:  # noqa: BLE001 -- recorded, the rest of the step still reported
-        kernels = {"error": traceback.format_exc()[-1500:]}
+    except Exception as err:  # noqa: BLE001 -- recorded, the rest of the step still reported
+        kernels = {"error": failure_text(err)}
     del model, layers
     _free(device)
     return {"records": records, "samples": samples, "hidden": hidden, "blocks": blocks, "seq_len": seq_len,
@@ -309,34 +309,13 @@ def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy) 
                             "W per sequence" if captured else "in B")
             ins, gs = run.split(x, gy)
             profiles[name] = top_kernels(lambda: run.step(ins, gs), device)
-        except Exception:  # noqa: BLE001 -- recorded, the other profiles still run
-            profiles[name] = {"error": traceback.format_exc()[-1500:]}
+        except Exception as err:  # noqa: BLE001 -- recorded, the other profiles still run
+            profiles[name] = {"error": failure_text(err)}
         finally:
             if run is not None:
                 run.close()
             _free(device)
     return profiles
-
-
-def top_kernels(run, device, count: int = 15) -> dict:
-    """{"calls", "device_ms", "top": [(kernel name, device ms, calls)] the ``count`` longest} of the GPU
-    kernels of one ``run()`` (after a warm-up)."""
-    if device.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        total = getattr(e, "device_time_total", None)
-        total = getattr(e, "cuda_time_total", 0.0) if total is None else total
-        if total:
-            rows.append((e.key[:160], total / 1e3, e.count))
-    return {"calls": sum(r[2] for r in rows), "device_ms": sum(r[1] for r in rows),
-            "top": sorted(rows, key=lambda r: -r[1])[:count]}
 
 
 def unit_samples(run: SlicedRun, ins, gs, repeats: int = 3) -> list[list[float]]:

@@ -29,6 +29,7 @@ import traceback
 import torch
 
 import _gpu_capture as cap
+from _gpu_profile import failure_text
 from _gpu_stage import BLOCKS as ENGINE_BLOCKS   # the engine step's kinds of blocks, in its order
 
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -187,8 +188,8 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
             out.setdefault("profiles", {})[label] = measured["profiles"]
             if measured["failures"]:
                 out["errors"][f"{label} (variants)"] = "\n".join(measured["failures"])
-        except Exception:  # noqa: BLE001 -- a lent GPU's minutes are not lost to one failing set
-            out["errors"][label] = traceback.format_exc()[-3000:]
+        except Exception as err:  # noqa: BLE001 -- a lent GPU's minutes are not lost to one failing set
+            out["errors"][label] = failure_text(err, limit=3000)
             log(f"{label}: FAILED\n{out['errors'][label]}")
         cap._free(device)
         if keep is not None:   # what was measured so far, should a later set not finish

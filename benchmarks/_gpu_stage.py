@@ -14,8 +14,8 @@ is a fresh engine from the same seed; ``ms`` is the median wall time of ``train_
 synchronized before and after) over REPEATS steps after WARMUP, ``loss`` the last step's loss.
 OUT_JSON is rewritten after each engine (a rank stopped midway leaves what it finished); ``--seconds``:
 no engine starts after that many seconds (those are listed in "not_run"). The rank stops at the first
-engine that fails (its error: ``failure_text``); ``--start K`` runs ``variants()[K:]`` in a fresh
-process, adding to OUT_JSON.
+engine that fails (its error: ``_gpu_profile.failure_text``); ``--start K`` runs ``variants()[K:]`` in a
+fresh process, adding to OUT_JSON.
 Weight gradients as the engine runs them by default (``defer_weight_grads``): scheduled W's with the
 blocks eager; with them captured, the blocks' once per sequence inside their graphs (``weight_grads``
 says which). Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss",
@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import torch
 
@@ -97,6 +96,7 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
     from transformers import LlamaConfig
 
     from _gpu_capture import compile_backend
+    from _gpu_profile import failure_text
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
     hidden, heads, kv_heads, inter, layers, vocab, seq_len, counts, precision = SETS[label]
@@ -136,19 +136,6 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
         _write(out, path)   # what is finished, should the rank be stopped
     _write(out, path)
     return out
-
-
-def failure_text(err: BaseException, limit: int = 1500) -> str:
-    """``err``'s chain of exceptions as one line each, innermost (the root cause) first, then the end
-    of the innermost one's traceback: what a cut-off traceback of the outermost one loses."""
-    chain, seen = [], err
-    while seen is not None and len(chain) < 8:
-        chain.append(seen)
-        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
-    lines = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300] for e in reversed(chain)]
-    root = chain[-1]
-    trace = "".join(traceback.format_exception(type(root), root, root.__traceback__, chain=False))
-    return "\n".join(["exceptions, the root cause first:", *lines, "", "its traceback (end):", trace[-limit:]])
 
 
 def _write(out: dict, path: str) -> None:
