@@ -203,9 +203,10 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
 
 
 def engine_step(gpu: bool, log, compiled: bool = True, seconds: float | None = None) -> dict:
-    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors", "not_run"}. A rank stops at the first engine that fails (recorded in "errors", not raised); the
-    engines after it run in a fresh rank. ``seconds``: no engine starts after that many, and each rank
-    is stopped 2 minutes later."""
+    """``_gpu_stage.py`` on one rank: {"model", "seq_len", "dtype", "records", "errors", "not_run"}. A
+    rank stops at the first engine that fails (recorded in "errors", not raised); the engines after it
+    run in a fresh rank. ``seconds``: no engine starts after that many, and each rank is stopped 2
+    minutes later."""
     from multirank import run_ranks
 
     import _gpu_stage
@@ -214,7 +215,7 @@ def engine_step(gpu: bool, log, compiled: bool = True, seconds: float | None = N
     total = len(_gpu_stage.variants("llama-7b-pair" if gpu else "llama-w64", compiled))
     stop_at = None if seconds is None else time.monotonic() + seconds
     finished = {"records": [], "errors": {}, "not_run": []}
-    while (done := sum(len(finished.get(k, ())) for k in ("records", "errors", "not_run"))) < total:
+    while (done := _engines_done(finished)) < total:
         left = None if stop_at is None else max(0.0, stop_at - time.monotonic())
         args = ([path] + ([] if gpu else ["--tiny"]) + ([] if compiled else ["--no_compiled"])
                 + ([] if left is None else ["--seconds", f"{left:.0f}"]) + (["--start", str(done)] if done else []))
@@ -227,10 +228,15 @@ def engine_step(gpu: bool, log, compiled: bool = True, seconds: float | None = N
             log(f"engine step: FAILED\n{failure[-1500:]}")
             finished = _read_stage(path, finished)
             return {**finished, "errors": {**finished.get("errors", {}), "engine step": failure}}
-        before, finished = done, _read_stage(path, finished)
-        if sum(len(finished.get(k, ())) for k in ("records", "errors", "not_run")) == before:
+        finished = _read_stage(path, finished)
+        if _engines_done(finished) == done:
             break   # the rank added nothing: do not start it again
     return finished
+
+
+def _engines_done(stage: dict) -> int:
+    """The engines ``_gpu_stage.py`` has finished with: timed, failed or not run."""
+    return sum(len(stage.get(key, ())) for key in ("records", "errors", "not_run"))
 
 
 def _read_stage(path: str, default: dict) -> dict:

@@ -127,8 +127,7 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
         except Exception as err:  # noqa: BLE001 -- the other variants still run (in a fresh process)
             out["errors"][name] = failure_text(err)
             print(f"[gpu_check] engine step, {name}: FAILED\n{out['errors'][name]}", flush=True)
-            _write(out, path)
-            return out
+            break
         engine = None
         gc.collect()
         if torch.cuda.is_available():

@@ -59,8 +59,8 @@ def _train(name: str, stages: int, zero: int, out: str, steps: range, save_at: i
         point = check_resume(out, "latest", config, lambda vocab: model.config, dist.get_world_size())
         result["same_layout"] = tp_resume.load(engine, point)[2]
         result["loss_scale"] = optimizer_state.loss_scale_state(engine)
-    if cuda_graphs:   # what reaches the parameters when the blocks are captured, after the load
-        result["graphs_reaching_params"] = pipeline_harness.count_at_capture(engine)
+    # what reaches the parameters when the blocks are captured, after the load
+    at_capture = pipeline_harness.count_at_capture(engine) if cuda_graphs else None
     for step in steps:
         batches = ec.batches(case, step, replica if stages == 1 else None)
         result["losses"][step] = float(engine.train_batch(iter(batches)))
@@ -68,6 +68,8 @@ def _train(name: str, stages: int, zero: int, out: str, steps: range, save_at: i
             tp_resume.save(engine, tp_resume.checkpoint_dir(out), save_at, save_at * engine.train_batch_size(),
                            model.config)
             result["saved_loss_scale"] = optimizer_state.loss_scale_state(engine)
+    if at_capture is not None:
+        result["graphs_reaching_params"] = at_capture["count"]
     return result
 
 
