@@ -3,9 +3,9 @@
 The CPU accelerator does not claim fp16, so ``checks`` refuses it; torch computes fp16 on the CPU
 all the same, and this worker tells DeepSpeed's accelerator that it may.
 
-1. The loss-scale runs: three runs from the same seed, 3 steps each (gpu_check's precision model: GPT-2 4 x 256, seq 256 in 4 slices, 2
-microbatches of 4): fp32, fp16, and fp16 with ``ds_compat.fp16_loss_scale`` switched off (the
-DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses; per step the gradient norm the
+1. The loss-scale runs: three runs from the same seed, 3 steps each (gpu_check's precision run at
+width 64: GPT-2 4 x 64, seq 256 in 4 slices, 2 microbatches of 4): fp32, fp16, and fp16 with
+``ds_compat.fp16_loss_scale`` switched off (the DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses; per step the gradient norm the
 clipping saw, in true units (fp16: the optimizer's norm of the scaled gradients over the loss
 scale), and the norm ``get_global_grad_norm`` reports.
 
@@ -27,6 +27,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 STEPS = 3
+# the loss-scale runs' width: fp16 matmuls on a CPU without fp16 arithmetic are ~7x slower than fp32
+# (GPT-2 4 x 256 took 17 s a run on the 2-core VM); the loss scale's arithmetic is the same at any width
+WIDTH = 64
 
 
 def allow_fp16_on_the_cpu() -> None:
@@ -43,7 +46,7 @@ def run(precision: str, scale_fix: bool = True) -> dict:
     from tp_trainer import ds_compat
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=w.VOCAB, n_positions=w.SEQ_LEN,
+    config = GPT2Config(n_layer=4, n_embd=WIDTH, n_head=4, vocab_size=w.VOCAB, n_positions=w.SEQ_LEN,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     ds = w.ds_config(precision)
     ds["pipeline"]["stages"] = 2

@@ -190,8 +190,9 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     assert len(ppl) == 3 and ppl[0] > ppl[1] > ppl[2], ppl
     hf_dir = first / "hf_model"
     assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors.index.json").exists()
-    log = launch(tmp_path, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
-                 "--eval_interval", "3", "--output_dir", str(tmp_path / "second"), "--no_save_hf")
+    from multirank import train_ranks   # the launcher ran above: the second run's ranks start directly
+    log = train_ranks(2, ["--deepspeed_config", TINY, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
+                          "--eval_interval", "3", "--output_dir", str(tmp_path / "second"), "--no_save_hf"])
     resumed = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
     assert resumed[0] == pytest.approx(ppl[-1], rel=1e-4), (resumed, ppl)
     assert resumed[-1] < resumed[0], resumed

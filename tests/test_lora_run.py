@@ -1,4 +1,4 @@
-"""LoRA end to end (launcher level): fine-tune a local GPT-2 checkpoint with LoRA on 2 ranks (1f1b,
+"""LoRA end to end (ranks started as DeepSpeed's launcher starts them): fine-tune a local GPT-2 checkpoint with LoRA on 2 ranks (1f1b,
 uneven slices, ln_f trained in full, a checkpoint every 2 steps, --merge_lora), then resume its
 step-2 checkpoint on 3 stages (the layout-free form, adapters only) and on the same 2 stages
 (DeepSpeed's files: bit for bit) up to step 4.
@@ -13,13 +13,12 @@ import json
 import logging
 import os
 import random
-import subprocess
 import sys
 
 import pytest
 import torch
 from checkpoint_worker import write_tiny_checkpoint
-from multirank import free_port
+from multirank import train_ranks
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_checkpoint_io import checkpoint_tensors
@@ -28,7 +27,6 @@ from tp_trainer.run import RunArgs, run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))
-needs_launcher = pytest.mark.requires_command("deepspeed")
 LORA = ["--lora_r", "4", "--lora_alpha", "8", "--modules_to_save", "ln_f", "--max_steps", "4", "--save_interval",
         "2", "--merge_lora", "--eval_interval", "100", "--eval_batches", "1"]
 
@@ -50,12 +48,8 @@ def write_inputs(directory) -> dict:
 
 
 def launch(ranks: int, flags: list, out) -> str:
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "launch/train.py", *flags,
-           "--output_dir", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout + proc.stderr
+    """launch/train.py on ``ranks`` ranks as DeepSpeed's launcher starts them (multirank.train_ranks)."""
+    return train_ranks(ranks, [*flags, "--output_dir", str(out)])
 
 
 def losses(out) -> dict:
@@ -86,7 +80,6 @@ def peft_model(base: str, adapter: str):
     return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
 
 
-@needs_launcher
 def test_outputs_are_peft_adapters_and_the_merged_model(runs):
     adapter = runs["run"] / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -105,7 +98,6 @@ def test_outputs_are_peft_adapters_and_the_merged_model(runs):
     assert all(torch.equal(final[k], saved[k]) for k in saved)
 
 
-@needs_launcher
 def test_layout_free_form_holds_the_adapters_only(runs):
     tag = runs["run"] / "checkpoints" / "step2"
     for stage in (0, 1):
@@ -114,7 +106,6 @@ def test_layout_free_form_holds_the_adapters_only(runs):
         assert names and all(".lora_" in n or ".ln_f." in n or n.endswith(".attn.bias") for n in names), names
 
 
-@needs_launcher
 def test_resume_on_three_stages_continues_the_run(runs):
     got, want = losses(runs["resumed"]), losses(runs["run"])
     assert sorted(got) == [3, 4]
@@ -126,7 +117,6 @@ def test_resume_on_three_stages_continues_the_run(runs):
     assert worst <= 1e-4, worst
 
 
-@needs_launcher
 def test_export_writes_the_adapter_or_the_merged_model(runs, tmp_path):
     from tp_trainer import export
     ckpt = str(runs["run"] / "checkpoints")
@@ -164,7 +154,6 @@ def test_bad_lora_input_stops_before_work(tmp_path, monkeypatch, caplog, flags, 
     assert not out.exists(), "nothing may be written on bad input"
 
 
-@needs_launcher
 def test_resume_on_the_same_layout_is_bit_for_bit(runs):
     assert losses(runs["same"]) == {s: loss for s, loss in losses(runs["run"]).items() if s > 2}
     a = load_file(str(runs["same"] / "adapter" / "adapter_model.safetensors"))

@@ -1,4 +1,4 @@
-"""Resume onto another layout (launcher level): a checkpoint of step 10 of a 2-stage run continues
+"""Resume onto another layout (ranks started as DeepSpeed's launcher starts them): a checkpoint of step 10 of a 2-stage run continues
 on 1 stage, 3 stages, 2 stages x 2 replicas with ZeRO-1, and other slices / microbatches with the
 1f1b order; a 4-rank ZeRO-1 save continues on 2 ranks without ZeRO. Steps 11-20 must equal the
 unbroken 2-stage 20-step run.
@@ -29,14 +29,13 @@ import sys
 
 import pytest
 import torch
-from multirank import free_port
+from multirank import free_port, train_ranks
 from safetensors.torch import load_file
 from small_run import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVED = 20, 10
 LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-4
-needs_launcher = pytest.mark.requires_command("deepspeed")  # conftest: a failure under CI=true
 FLAGS = ["--eval_interval", "100", "--eval_batches", "1"]
 
 
@@ -52,14 +51,9 @@ def config_variant(directory, name: str, **changes) -> str:
 
 
 def launch(ranks: int, config: str, out, *flags) -> str:
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "launch/train.py",
-           "--deepspeed_config", config, "--output_dir", str(out), *FLAGS, *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TP_TEST_FAULT", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-5000:]
-    return log
+    """launch/train.py on ``ranks`` ranks as DeepSpeed's launcher starts them (multirank.train_ranks)."""
+    return train_ranks(ranks, ["--deepspeed_config", config, "--output_dir", str(out), *FLAGS, *flags],
+                       env={"TP_TEST_FAULT": ""})
 
 
 def losses(out) -> dict[int, float]:
@@ -140,7 +134,6 @@ LAYOUTS = {  # name: (ranks, config changes)
 }
 
 
-@needs_launcher
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_resume_on_another_layout(reference, tmp_path, name):
     ranks, changes = LAYOUTS[name]
@@ -167,7 +160,6 @@ def shared_cost_model(directory) -> str:
     return path
 
 
-@needs_launcher
 def test_resume_onto_and_from_a_shared_half(reference, tmp_path):
     """Step 10 continues to step 15 on a layout whose stages share h.2's MLP half by slices (planned
     from a cost model made for it; its slices are the planner's), saved there; step 15 continues on
@@ -190,7 +182,6 @@ def test_resume_onto_and_from_a_shared_half(reference, tmp_path):
     assert max(errors.values()) <= PARAM_RTOL, errors
 
 
-@needs_launcher
 def test_zero1_save_resumes_without_zero(reference, zero1_save, tmp_path):
     source, _ = zero1_save
     first = loss_errors(losses(source), {s: v for s, v in losses(reference).items() if s <= SAVED})
@@ -202,7 +193,6 @@ def test_zero1_save_resumes_without_zero(reference, zero1_save, tmp_path):
     assert_continues(out, reference)
 
 
-@needs_launcher
 def test_the_criterion_can_fail(reference):
     """The bounds sit far below what training changes: one step's weights or losses fail them."""
     from tp_trainer.checkpoint import layout_free
@@ -254,7 +244,6 @@ def write_tiny_llama(directory) -> None:
     PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", unk_token="w0").save_pretrained(directory)
 
 
-@needs_launcher
 def test_bad_resumes_are_refused_before_any_work(reference, tmp_path):
     out = tmp_path / "run"
     copy_checkpoint(reference, out, f"step{SAVED}")
@@ -276,7 +265,6 @@ def test_bad_resumes_are_refused_before_any_work(reference, tmp_path):
            f"the checkpoint, or pass --reset_optimizer to keep only the weights" in refused(out, one_stage, 1)
 
 
-@needs_launcher
 def test_other_refusals_in_process(reference, zero1_save, tmp_path):
     """The same checks called directly (no launch): another optimizer type; a missing ZeRO shard of
     DeepSpeed's files when the layout is the same (those are the files it then reads)."""
