@@ -224,7 +224,8 @@ def fold_ms(params, device, repeats: int) -> float:
 
 def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled: bool = True,
                 past_deadline=lambda: False) -> dict:
-    """The slice_cost records of one block set, the captured per-slice samples and its whole times.
+    """The slice_cost records of one block set, the captured per-slice samples (per weight-gradient
+    mode, one list of rows per slice count) and its whole times.
     ``past_deadline()`` true before a variant: that variant and the later ones are not run ("not_run")."""
     family, hidden, heads, kv_heads, inter, blocks, seq_len = spec
     model = build_model(*spec, device, dtype)
@@ -255,8 +256,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                                 compile_them)
                 ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
-                if mode_captured and weights != "W per sequence" and kernel == "cudnn":
-                    samples.setdefault(weights, []).extend(unit_samples(run, ins, gs))
+                if mode_captured and kernel == "cudnn":   # one list per run: W per sequence is split apart
+                    samples.setdefault(weights, []).append(unit_samples(run, ins, gs))
             except Exception as err:  # noqa: BLE001 -- the other variants still run
                 if run is not None:
                     run.close()

@@ -8,8 +8,10 @@ with the measured costs, simulates deeper pipelines, and writes the report's sec
                 (the largest of the three). Passes when the sliced error is at most twice HF's own in
                 the same precision (plus 1e-6 for fp32).
     plan        the planner's cost fit over the captured runs' per-slice samples (b = 1) and its DP
-                for 2 stages, batch 1 (each stage the measured block set), granularity 64 tokens.
-    simulated   K = 2, 4, 8 stages of that block set, batch 1 and 4 (microbatches of one sequence):
+                for 2 stages, batch 1 (each stage the measured block set), granularity 64 tokens, per
+                weight-gradient mode; "W per sequence" (the engine's) with the merged weight
+                gradients taken out of the units and added once a step (``merged_w_apart``).
+    simulated   K = 2, 4, 8 stages of that block set (the engine's mode, else in B), batch 1 and 4:
                 TeraPipe's DP plan (sum t + (K - 1) max t) against DeepSpeed's 1F1B on whole
                 sequences ((B + K - 1) x the whole sequence's time, HF eager and captured).
     engine_step a whole 1-stage training step through the engine (embedding, blocks, head, loss,
@@ -29,6 +31,7 @@ import traceback
 import torch
 
 import _gpu_capture as cap
+from _gpu_plan import plans, simulate
 from _gpu_profile import failure_text
 from _gpu_stage import BLOCKS as ENGINE_BLOCKS   # the engine step's kinds of blocks, in its order
 
@@ -113,33 +116,6 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
     return {"seq_len": seq_len, "slices": slices, "rows": rows, "passed": all(r["passed"] for r in rows)}
 
 
-def plan(samples, hidden: int, seq_len: int, stages: int = 2, granularity: int = 64) -> dict:
-    """The DP's plan for batch 1 on ``stages`` stages from the captured per-slice samples."""
-    from tp_trainer.planner.cost_model import StageCost
-    from tp_trainer.planner.dp import plan_batch
-    cost = StageCost.from_samples(samples, hidden)
-    chosen = plan_batch(cost.total, seq_len, 1, stages, granularity, microbatch_sizes=[1])
-    return {"stages": stages, "batch": 1, "slices": list(chosen.slices[0]), "count": len(chosen.slices[0]),
-            "predicted_ms": chosen.predicted_time * 1e3, "fit_heldout": cost.heldout, "points": len(samples),
-            "cost": cost}
-
-
-def simulate(cost, seq_len: int, whole_hf_ms: float, whole_captured_ms: float | None, granularity: int = 64):
-    """Simulated step times (ms) of TeraPipe's plan and of 1F1B on whole sequences."""
-    from tp_trainer.planner.dp import plan_batch
-    rows = []
-    for stages in (2, 4, 8):
-        for batch in (1, 4):
-            chosen = plan_batch(cost.total, seq_len, batch, stages, granularity, microbatch_sizes=[1])
-            one_f_one_b = (batch + stages - 1) * whole_hf_ms
-            rows.append({"stages": stages, "batch": batch, "terapipe_ms": chosen.predicted_time * 1e3,
-                         "terapipe_slices": len(chosen.slices[0]), "1f1b_hf_ms": one_f_one_b,
-                         "1f1b_captured_ms": None if whole_captured_ms is None
-                         else (batch + stages - 1) * whole_captured_ms,
-                         "speedup_vs_1f1b_hf": one_f_one_b / (chosen.predicted_time * 1e3)})
-    return rows
-
-
 def past(deadline: float | None) -> bool:
     """Whether ``deadline`` (a ``time.monotonic()`` value, gpu_check's --deadline; None: none) has passed."""
     return deadline is not None and time.monotonic() >= deadline
@@ -178,13 +154,14 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
             whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
                                    if r["mode"] == "captured" and r["weight_grads"] == "in B" and not r["compiled"]
                                    and r["attention"] == "cudnn"), None)
-            for weights, samples in measured["samples"].items():
-                chosen = plan(samples, spec[1], spec[-1])
-                cost = chosen.pop("cost")
-                out["plan"][f"{label}, {weights}"] = chosen
-                if weights == "in B":
-                    out["simulated"][label] = simulate(cost, spec[-1], measured["whole_hf_ms"], whole_captured)
-                log(f"{label} ({weights}): DP plan for 2 stages, batch 1: {chosen['count']} slices {chosen['slices']}")
+            chosen, engine_mode = plans(measured, spec[1], spec[-1])
+            for weights, found in chosen.items():
+                out["plan"][f"{label}, {weights}"] = found
+                log(f"{label} ({weights}): DP plan for 2 stages, batch 1: {found['count']} slices {found['slices']}")
+            if engine_mode is not None:
+                weights, cost, once_s = engine_mode
+                out["simulated"][label] = simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], whole_captured)
+                out.setdefault("simulated_weights", {})[label] = weights
             out.setdefault("profiles", {})[label] = measured["profiles"]
             if measured["failures"]:
                 out["errors"][f"{label} (variants)"] = "\n".join(measured["failures"])
@@ -351,11 +328,15 @@ def markdown(result: dict, device_name: str) -> str:
                           "device time; the longest (device ms, calls):", ""]
                 lines += [f"- {ms:.2f} ms x{n}: `{k[:110]}`" for k, ms, n in found["top"][:8]]
     for label, p in result["plan"].items():
+        once = (f"; weight gradients once per sequence {p['once_ms']:.2f} ms, in the prediction: the engine's "
+                "mode" if p.get("once_ms") else "")
         lines += ["", f"DP on the captured costs, {label}: {p['count']} slices {p['slices']} for {p['stages']} stages, "
                   f"batch 1, predicted {p['predicted_ms']:.2f} ms ({p['points']} samples, held-out error mean "
-                  f"{p['fit_heldout'].get('mean', float('nan')):.1%})."]
+                  f"{p['fit_heldout'].get('mean', float('nan')):.1%}{once})."]
     for label, rows in result["simulated"].items():
-        lines += ["", f"Simulated (from the measured costs, not run), {label}: each stage this block set.", "",
+        weights = result.get("simulated_weights", {}).get(label, "in B")
+        lines += ["", f"Simulated (from the measured costs, not run), {label}: each stage this block set, its units "
+                      f"captured, weight gradients: {weights}.", "",
                   "| stages | batch | TeraPipe ms (slices) | 1F1B whole HF ms | 1F1B whole captured ms | speed-up vs 1F1B HF |",
                   "|---|---|---|---|---|---|"]
         for r in rows:

@@ -35,6 +35,7 @@ def cpu_run(tmp_path_factory):
 
 def test_calibration_fitted(cpu_run):
     _, report, _ = cpu_run
+    assert report["calibration"]["fit"] is not None, report["calibration"].get("fit_failed")
     fit, spec = report["calibration"]["fit"], report["calibration"]["spec"]
     for value in (fit["rate_flops"], fit["peak_flops"], spec["achieved_fraction"]):
         assert math.isfinite(value) and value > 0
@@ -177,6 +178,67 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert all(abs(losses[(s, b)] - losses[(s, "eager")]) <= 1e-6 * abs(losses[(s, "eager")])
                for s in (1, 4) for b in kinds)
     assert "Whole 1-stage engine step" in text
+
+
+def test_merged_weight_gradients_are_taken_out_of_slice_0_and_planned_once():
+    """``merged_w_apart``: runs of 1, 4 and 8 slices whose slice-0 backward holds the sequence's merged
+    W (known here) give it back, and units without it; the plan adds it once to its prediction."""
+    import _gpu_plan
+    import numpy as np
+    once, seq = 0.02, 512
+
+    def unit(l, c):   # [b, l, c, forward s, backward s]: a launch cost, GEMMs per token, attention l (c + l)
+        return [1, l, c, 1e-4 + 2e-6 * l + 1e-9 * l * (c + l), 2e-4 + 4e-6 * l + 2e-9 * l * (c + l)]
+    truth = [[unit(seq // s, j * seq // s) for j in range(s)] for s in (1, 4, 8)]
+    runs = [[[*r[:4], r[4] + once] if r[2] == 0 else r for r in rows] for rows in truth]
+    samples, found = _gpu_plan.merged_w_apart(runs)
+    assert found == pytest.approx(once, rel=1e-9)
+    np.testing.assert_allclose(np.array(samples), np.array(sum(truth, [])), rtol=1e-9)
+    without = _gpu_plan.plan(samples, 64, seq)
+    merged = _gpu_plan.plan(samples, 64, seq, once)
+    assert merged["slices"] == without["slices"] and merged["once_ms"] == pytest.approx(once * 1e3)
+    assert merged["predicted_ms"] == pytest.approx(without["predicted_ms"] + once * 1e3)
+
+
+def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monkeypatch):
+    """The slice step's samples and plans as a GPU takes them, on a CPU: captured variants (their units
+    run eagerly without CUDA), CUDA events standing in as wall-clock marks. Every mode yields one list
+    of unit rows per slice count and a plan; the engine's mode (W per sequence) is the one simulated."""
+    import time
+
+    import _gpu_capture as cap
+    import _gpu_plan
+    import torch
+
+    class WallEvent:
+        def __init__(self, enable_timing=True):
+            self.at = None
+
+        def record(self):
+            self.at = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    from tp_trainer.model import capture
+    unit_graphs = capture.UnitGraphs   # without CUDA the units run eagerly, as the engine's do
+    monkeypatch.setattr(capture, "UnitGraphs", lambda *args, **kwargs: unit_graphs(*args, **{**kwargs, "capture": False}))
+    monkeypatch.setattr(torch.cuda, "Event", WallEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(cap, "variants", lambda device, compiled=True: [
+        cap.Variant(True, w, "cudnn") for w in ("in B", "W per sequence")])
+    spec = cap.CPU_SETS["gpt2-w64"]
+    measured = cap.measure_set("gpt2-w64", spec, (1, 4, 8), torch.device("cpu"), torch.float32, 1, lambda line: None)
+    assert not measured["failures"]
+    assert {w: [len(rows) for rows in runs] for w, runs in measured["samples"].items()} == {
+        "in B": [1, 4, 8], "W per sequence": [1, 4, 8]}
+    chosen, (weights, cost, once_s) = _gpu_plan.plans(measured, spec[1], spec[-1])
+    assert set(chosen) == {"in B", "W per sequence"} and weights == "W per sequence" and once_s >= 0
+    assert chosen["in B"]["once_ms"] == 0 and chosen["W per sequence"]["once_ms"] == pytest.approx(once_s * 1e3)
+    for found in chosen.values():
+        assert sum(found["slices"]) == spec[-1] and found["predicted_ms"] > 0
+    rows = _gpu_plan.simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], None)
+    assert [(r["stages"], r["batch"]) for r in rows] == [(k, b) for k in (2, 4, 8) for b in (1, 4)]
 
 
 def test_compiled_variants_on_the_cpu():
