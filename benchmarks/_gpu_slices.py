@@ -151,6 +151,7 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
             out["fold"][label] = {"ms_per_slice": measured["fold_ms"], "parameters": measured["parameters"]}
             out["attention_kernels"][label] = measured["attention_kernels"]
             out["attention_bytes_per_slice"][label] = measured["attention_bytes_per_slice"]
+            out.setdefault("profiles", {})[label] = measured["profiles"]   # kept should the planning fail
             whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
                                    if r["mode"] == "captured" and r["weight_grads"] == "in B" and not r["compiled"]
                                    and r["attention"] == "cudnn"), None)
@@ -162,7 +163,6 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
                 weights, cost, once_s = engine_mode
                 out["simulated"][label] = simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], whole_captured)
                 out.setdefault("simulated_weights", {})[label] = weights
-            out.setdefault("profiles", {})[label] = measured["profiles"]
             if measured["failures"]:
                 out["errors"][f"{label} (variants)"] = "\n".join(measured["failures"])
         except Exception as err:  # noqa: BLE001 -- a lent GPU's minutes are not lost to one failing set
