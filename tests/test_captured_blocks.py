@@ -100,3 +100,20 @@ def test_capture_blocks_takes_one_run_of_blocks():
     # block's call runs the captured run, the second passes its output on
     assert isinstance(blocks, CapturedBlocks) and funcs == ["embed", first, second, "head"]
     assert first.replay is blocks and second(torch.ones(1)) == 1
+
+
+@pytest.mark.parametrize("device,warned", [("cuda", True), ("cpu", False)])
+def test_an_auto_plan_for_captured_blocks_on_a_gpu_says_how_it_was_timed(tmp_path, caplog, device, warned):
+    """``slices: "auto"`` profiles the units eagerly: with the blocks captured on a GPU (host time it
+    priced is not paid) the run says so beside the plan; on a CPU the units do run eagerly."""
+    import logging
+    from types import SimpleNamespace
+
+    from tp_trainer.run import _write_plan
+    engine = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}"), run_plan=SimpleNamespace(report="planned"),
+                             captured=object(), device=torch.device(device), schedule_name="gpipe", num_stages=2,
+                             weight_grads_mode="W")
+    with caplog.at_level(logging.INFO, logger="tp_trainer"):
+        _write_plan(engine, str(tmp_path))
+    assert ("terapipe.cuda_graphs: these slices were planned from the units timed eagerly" in caplog.text) == warned
+    assert (tmp_path / "plan.txt").read_text() == "planned\n"

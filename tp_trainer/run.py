@@ -134,6 +134,10 @@ def _write_plan(engine, output_dir: str) -> None:
         with open(os.path.join(output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
             handle.write(report + "\n")
         log.info("slice planner (terapipe.slices \"auto\"):\n%s", report)
+        if engine.captured is not None and engine.device.type == "cuda":
+            log.warning("terapipe.cuda_graphs: these slices were planned from the units timed eagerly, host time "
+                        "included, which the captured units do not pay; on a GPU give terapipe.slices explicitly "
+                        "(scripts/gpu_check.sh reports the plan for captured units)")
     log.info("plan: %s, schedule %s, %d stages, weight gradients: %s", engine.plan, engine.schedule_name,
              engine.num_stages, engine.weight_grads_mode)
 
