@@ -1,8 +1,9 @@
-"""Chat fine-tuning end to end (launch/train.py on 2 ranks, started as the deepspeed launcher starts them,
-through multirank.run_ranks: the launcher's own start-up costs the suite 20-80 s on this machine), one run: a local Llama-style checkpoint (its tokenizer
-without a chat template, so ``--chat_template`` gives the project's default) fine-tuned with LoRA
-adapters (and the LM head trained in full) on a messages file made from this machine's stdlib
-docstrings (scripts/make_docstring_qa.py), 2 ranks, 2 stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
+"""Chat fine-tuning end to end (launch/train.py on 2 ranks, started as the deepspeed launcher starts
+them, through multirank.train_ranks: the launcher's own start-up costs ~5 s a launch on this machine),
+one run: a local Llama-style checkpoint (its tokenizer without a chat template, so ``--chat_template``
+gives the project's default) fine-tuned with LoRA adapters (and the LM head trained in full) on a
+messages file made from this machine's stdlib docstrings (scripts/make_docstring_qa.py), 2 ranks, 2
+stages, ``--packing examples`` (the default for messages), loss on the assistant turns.
 
 Checks: the run packs by example; its validation loss on the answers falls; the last one equals HF +
 PEFT (the saved adapter on the base checkpoint) run on each validation example alone, over the
@@ -16,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from multirank import run_ranks
+from multirank import train_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -57,9 +58,8 @@ def write_inputs(directory) -> dict:
 def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("chat_run")
     inputs = write_inputs(base)
-    outputs = run_ranks(os.path.join(REPO, "launch", "train.py"), 2, [*inputs["flags"], "--output_dir", str(base / "run")],
-                        timeout=600)
-    return {**inputs, "out": base / "run", "log": "\n".join(outputs)}
+    log = train_ranks(2, [*inputs["flags"], "--output_dir", str(base / "run")])
+    return {**inputs, "out": base / "run", "log": log}
 
 
 def validation_losses(log: str) -> dict:

@@ -198,17 +198,18 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     assert resumed[-1] < resumed[0], resumed
 
 
-@needs_launcher
 def test_auto_slices_config(tmp_path):
     """ds_configs/gpt2_auto_cpu.json: profile, plan, print the plan and its prediction, train. Its
-    profile shortened from 15 to 3 s a stage (the test checks the path, not the plan's quality)."""
+    profile shortened from 15 to 3 s a stage (the test checks the path, not the plan's quality); the
+    ranks started directly (multirank.train_ranks: the launcher is test_launcher_trains_two_stages')."""
+    from multirank import train_ranks
     with open(os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"), encoding="utf-8") as handle:
         config = json.load(handle)
     config["terapipe"]["profile_seconds"] = 3
     (tmp_path / "auto.json").write_text(json.dumps(config))
     out = tmp_path / "run"
-    log = launch(tmp_path, "--max_steps", "1", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf",
-                 "--output_dir", str(out), config=str(tmp_path / "auto.json"))
+    log = train_ranks(2, ["--deepspeed_config", str(tmp_path / "auto.json"), "--max_steps", "1", "--eval_interval",
+                          "100", "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out)])
     assert 'slice planner (terapipe.slices "auto")' in log and "predicted iteration" in log
     plan = json.loads((out / "plan.json").read_text())
     assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
