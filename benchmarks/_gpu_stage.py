@@ -99,7 +99,7 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
     from _gpu_profile import failure_text
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
-    hidden, heads, kv_heads, inter, layers, vocab, seq_len, counts, precision = SETS[label]
+    hidden, heads, kv_heads, inter, layers, vocab, seq_len, _, precision = SETS[label]
     config = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          intermediate_size=inter, num_hidden_layers=layers, vocab_size=vocab,
                          max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0)

@@ -60,5 +60,6 @@ def train_ranks(world_size: int, args: list[str], timeout: float = 600, env: dic
     launcher gives them (its node-level variables too), without the launcher's own two Python
     processes (~5 s a launch on 2 cores). The launcher itself is tested where it matters
     (test_launch.py, test_resume.py, the multi-node tests). Returns the ranks' output, rank 0 first."""
-    launcher = {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    # no fault injected (tests/fault_hooks): the runs that inject one go through the launcher (small_run.fault_env)
+    launcher = {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1", "TP_TEST_FAULT": ""}
     return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, {**launcher, **(env or {})}, cwd=REPO))

@@ -5,9 +5,9 @@ all the same, and this worker tells DeepSpeed's accelerator that it may.
 
 1. The loss-scale runs: three runs from the same seed, 3 steps each (gpu_check's precision run at
 width 64: GPT-2 4 x 64, seq 256 in 4 slices, 2 microbatches of 4): fp32, fp16, and fp16 with
-``ds_compat.fp16_loss_scale`` switched off (the DeepSpeed 0.19.8 behaviour it corrects). Per run: the losses; per step the gradient norm the
-clipping saw, in true units (fp16: the optimizer's norm of the scaled gradients over the loss
-scale), and the norm ``get_global_grad_norm`` reports.
+``ds_compat.fp16_loss_scale`` switched off (the DeepSpeed 0.19.8 behaviour it corrects). Per run:
+the losses; per step the gradient norm the clipping saw, in true units (fp16: the optimizer's norm
+of the scaled gradients over the loss scale), and the norm ``get_global_grad_norm`` reports.
 
 2. W's under mixed precision (tests/precision_cases.py): every case with scheduled W's and with
    weight gradients inside B, then (fp16 and bf16, W's scheduled) one step with an inf gradient.

@@ -8,6 +8,7 @@ import re
 import subprocess
 
 import pytest
+from multirank import free_port, train_ranks
 
 from tp_trainer.cpu_binding import cores_text, machine_cpus, share
 from tp_trainer.run import RunArgs, run
@@ -107,7 +108,6 @@ def test_invalid_json_config(tmp_path, monkeypatch, caplog):
 def launch(tmp_path, *flags, config=TINY, env=None):
     """Run the README's launcher command (2 CPU ranks) with extra flags; return rank 0's log (conftest
     removes the CPU all-reduce buffers DeepSpeed leaves in /dev/shm, tp_trainer/ds_compat/shm.py)."""
-    from multirank import free_port
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", config, *flags]
     env = dict(env or os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -190,7 +190,7 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     assert len(ppl) == 3 and ppl[0] > ppl[1] > ppl[2], ppl
     hf_dir = first / "hf_model"
     assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors.index.json").exists()
-    from multirank import train_ranks   # the launcher ran above: the second run's ranks start directly
+    # the launcher ran above: the second run's ranks start directly
     log = train_ranks(2, ["--deepspeed_config", TINY, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
                           "--eval_interval", "3", "--output_dir", str(tmp_path / "second"), "--no_save_hf"])
     resumed = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
@@ -202,7 +202,6 @@ def test_auto_slices_config(tmp_path):
     """ds_configs/gpt2_auto_cpu.json: profile, plan, print the plan and its prediction, train. Its
     profile shortened from 15 to 3 s a stage (the test checks the path, not the plan's quality); the
     ranks started directly (multirank.train_ranks: the launcher is test_launcher_trains_two_stages')."""
-    from multirank import train_ranks
     with open(os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"), encoding="utf-8") as handle:
         config = json.load(handle)
     config["terapipe"]["profile_seconds"] = 3

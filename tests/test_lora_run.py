@@ -1,7 +1,7 @@
-"""LoRA end to end (ranks started as DeepSpeed's launcher starts them): fine-tune a local GPT-2 checkpoint with LoRA on 2 ranks (1f1b,
-uneven slices, ln_f trained in full, a checkpoint every 2 steps, --merge_lora), then resume its
-step-2 checkpoint on 3 stages (the layout-free form, adapters only) and on the same 2 stages
-(DeepSpeed's files: bit for bit) up to step 4.
+"""LoRA end to end (ranks started as DeepSpeed's launcher starts them): fine-tune a local GPT-2
+checkpoint with LoRA on 2 ranks (1f1b, uneven slices, ln_f trained in full, a checkpoint every 2
+steps, --merge_lora), then resume its step-2 checkpoint on 3 stages (the layout-free form, adapters
+only) and on the same 2 stages (DeepSpeed's files: bit for bit) up to step 4.
 
 Checks: the outputs are PEFT's (``adapter/`` loads with ``PeftModel.from_pretrained``, ``hf_model/``
 is its ``merge_and_unload``), every checkpoint tag is an adapter directory, the layout-free form holds

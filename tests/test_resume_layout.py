@@ -1,7 +1,7 @@
-"""Resume onto another layout (ranks started as DeepSpeed's launcher starts them): a checkpoint of step 10 of a 2-stage run continues
-on 1 stage, 3 stages, 2 stages x 2 replicas with ZeRO-1, and other slices / microbatches with the
-1f1b order; a 4-rank ZeRO-1 save continues on 2 ranks without ZeRO. Steps 11-20 must equal the
-unbroken 2-stage 20-step run.
+"""Resume onto another layout (ranks started as DeepSpeed's launcher starts them): a checkpoint of
+step 10 of a 2-stage run continues on 1 stage, 3 stages, 2 stages x 2 replicas with ZeRO-1, and
+other slices / microbatches with the 1f1b order; a 4-rank ZeRO-1 save continues on 2 ranks without
+ZeRO. Steps 11-20 must equal the unbroken 2-stage 20-step run.
 
 Criterion (fp32 noise, not bits): another layout sums the same terms in another order (stage
 boundaries, data-parallel all-reduce, microbatch accumulation), so losses may differ by fp32
@@ -52,8 +52,7 @@ def config_variant(directory, name: str, **changes) -> str:
 
 def launch(ranks: int, config: str, out, *flags) -> str:
     """launch/train.py on ``ranks`` ranks as DeepSpeed's launcher starts them (multirank.train_ranks)."""
-    return train_ranks(ranks, ["--deepspeed_config", config, "--output_dir", str(out), *FLAGS, *flags],
-                       env={"TP_TEST_FAULT": ""})
+    return train_ranks(ranks, ["--deepspeed_config", config, "--output_dir", str(out), *FLAGS, *flags])
 
 
 def losses(out) -> dict[int, float]:
