@@ -32,6 +32,8 @@ import torch
 from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
 from tp_trainer.model.capture import WEIGHT_MODES
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
+from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
+from tp_trainer.model.slice_cache import TOKEN_MAJOR
 
 from _gpu_cost import uniform_offsets
 from _gpu_profile import failure_text, top_kernels
@@ -93,21 +95,28 @@ def wrap(model):
 
 class Variant(NamedTuple):
     """One timed way to run the blocks: captured or eager, where the weight gradients are made, the
-    attention kernel on CUDA, and whether the blocks are compiled around their attention."""
+    attention kernel on CUDA, whether the blocks are compiled around their attention, whether
+    their RMSNorms run torch's fused kernels (``model/fused_norm.py``), and whether the K/V buffers
+    are head-major (b, heads, L, d) in memory, as before CUDA's were made token-major
+    (``slice_cache.TOKEN_MAJOR``)."""
     captured: bool
     weights: str
     kernel: str
     compiled: bool = False
+    fused_norm: bool = False
+    head_major: bool = False
 
 
-def variants(device, compiled: bool = True) -> list[Variant]:
+def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
     """The variants timed on ``device``; the compiled one (``compiled``) last: its compile costs the
-    others nothing."""
+    others nothing. The fused-norm one on CUDA for a ``family`` with RMSNorms (llama)."""
     if device.type != "cuda":
         found = [Variant(False, "in B", "auto")]
     else:
         found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in WEIGHT_MODES]
-                 + [Variant(True, "W per sequence", "flash"), Variant(True, "W per sequence", "auto")])
+                 + [Variant(True, "W per sequence", "flash")]
+                 + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if family == "llama" else [])
+                 + [Variant(True, "W per sequence", "auto", head_major=True), Variant(True, "W per sequence", "auto")])
     if compiled:
         found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
     return found
@@ -127,14 +136,16 @@ class SlicedRun:
     backward, accumulated into ``.grad`` per slice), "W per slice" (deferred, ``addmm_`` into
     ``.grad`` right after each slice's backward) or "W per sequence" (deferred, one product per
     weight over all slices after the last backward: ``DeferredWeightGrads.flush_merged``).
-    ``compiled``: the blocks compiled around their attention (``compiled_blocks``) until ``close``."""
+    ``compiled``: the blocks compiled around their attention (``compiled_blocks``) until ``close``;
+    ``fused_norm``: their RMSNorms through torch's fused kernels (``fused_norm``) until ``close``."""
 
     def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
-                 weights: str = "in B", compiled: bool = False):
+                 weights: str = "in B", compiled: bool = False, fused_norm: bool = False, head_major: bool = False):
         from tp_trainer.model.capture import UnitGraphs, layer_callbacks
         from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
         self.offsets = uniform_offsets(seq_len, slices)
         self.layers = layers
+        self.fused = fuse_rms_norms([layer.inner for layer in layers]) if fused_norm else []
         if compiled:
             compile_blocks(layers, compile_backend(device))
         order = [("F", 0, j) for j in range(slices)] + [("B", 0, j) for j in reversed(range(slices))]
@@ -144,19 +155,26 @@ class SlicedRun:
 
         run_forward, begin_backward, end_backward = layer_callbacks(layers, ctx, self.offsets, store, weights)
         shapes = [[(1, length, hidden) for _, length in self.offsets]]
+        token_major = set(TOKEN_MAJOR)
         try:
+            if head_major:   # captured units keep the buffers their capture allocated
+                TOKEN_MAJOR.clear()
             self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
                                      capture=captured, end_backward=end_backward)
         except BaseException:   # a failed capture leaves the layers as they were for the next variant
             restore(self.deferred)
             uncompile_blocks(layers)
+            unfuse(self.fused)
             raise
+        finally:
+            TOKEN_MAJOR.update(token_major)
 
     def close(self) -> None:
         """Put the deferred layers' forward back."""
         from tp_trainer.model.weight_grad import restore
         restore(self.deferred)
         uncompile_blocks(self.layers)
+        unfuse(self.fused)
         self.graphs.close()
 
     def split(self, *sequences) -> list[list[torch.Tensor]]:
@@ -243,21 +261,23 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     fold, parameters = fold_ms(params, device, repeats), sum(p.numel() for p in params)
     log(f"{label}: DeepSpeed's per-backward clear + fold over its {parameters / 1e6:.1f} M parameters: {fold:.3f} ms")
     records, samples, failures, not_run = [], {}, [], []
-    for variant in variants(device, compiled):
+    for variant in variants(device, compiled, family):
         if not_run or past_deadline():
             not_run.append(f"{label} {variant}")
             continue
-        mode_captured, weights, kernel, compile_them = variant
+        mode_captured, weights, kernel, compile_them, fused_norm, head_major = variant
         use_kernel(kernel)
         for slices in slice_counts:
             run = None
             try:
                 run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights,
-                                compile_them)
+                                compile_them, fused_norm, head_major)
                 ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
-                if mode_captured and kernel == "cudnn":   # one list per run: W per sequence is split apart
-                    samples.setdefault(weights, []).append(unit_samples(run, ins, gs))
+                if mode_captured and (kernel == "cudnn" or compile_them):   # one list per run (W per sequence
+                    # is split apart); the compiled variant's too: the engine's fastest GPU mode
+                    samples.setdefault(weights + (", compiled" if compile_them else ""), []).append(
+                        unit_samples(run, ins, gs))
             except Exception as err:  # noqa: BLE001 -- the other variants still run
                 if run is not None:
                     run.close()
@@ -268,22 +288,23 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
                             "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
-                            "ms": ms, "whole_hf_ms": whole_hf})
+                            "fused_norm": fused_norm, "head_major": head_major, "ms": ms, "whole_hf_ms": whole_hf})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
-                f"{', compiled' if compile_them else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
+                f"{', compiled' if compile_them else ''}{', fused norm' if fused_norm else ''}"
+                f"{', head-major K/V' if head_major else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
             run.close()
             del run
             _free(device)
     use_kernel("auto")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
-        one = [o["ms"] for o in records if (o["mode"], o["weight_grads"], o["attention"], o["compiled"], o["slices"]) ==
-               (r["mode"], r["weight_grads"], r["attention"], r["compiled"], 1)]
+        same = ("mode", "weight_grads", "attention", "compiled", "fused_norm", "head_major")
+        one = [o["ms"] for o in records if o["slices"] == 1 and all(o[k] == r[k] for k in same)]
         r["whole_captured_ms"] = one[0] if one else None
     kernels, attn_bytes, profiles = {}, {}, {}
     try:
         kernels = attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype)
         profiles = {"whole_hf": top_kernels(whole_step, device),
-                    **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy)}
+                    **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled)}
         attn_bytes = attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype)
     except Exception as err:  # noqa: BLE001 -- recorded, the rest of the step still reported
         kernels = {"error": failure_text(err)}
@@ -295,21 +316,24 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             "profiles": profiles, "failures": failures, "not_run": not_run}
 
 
-def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy) -> dict:
+def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled: bool = True) -> dict:
     """``top_kernels`` of 1 and 8 slices eager (weight gradients in B) and, on CUDA, captured as the
-    engine runs its blocks (weight gradients once per sequence, kernel auto); a run that fails is
-    recorded as {"error"}, the others still run."""
+    engine runs its blocks (weight gradients once per sequence, kernel auto), also compiled around
+    their attention (``compiled``); a run that fails is recorded as {"error"}, the others still run."""
     profiles = {}
-    for name, slices, captured in (("one_slice_eager", 1, False), ("eight_slices_eager", 8, False),
-                                   ("one_slice_captured", 1, True), ("eight_slices_captured", 8, True)):
+    runs = [("one_slice_eager", 1, False, False), ("eight_slices_eager", 8, False, False),
+            ("one_slice_captured", 1, True, False), ("eight_slices_captured", 8, True, False)]
+    if compiled:
+        runs += [("one_slice_captured_compiled", 1, True, True), ("eight_slices_captured_compiled", 8, True, True)]
+    for name, slices, captured, compile_them in runs:
         if captured and device.type != "cuda":
             continue
         run = None
         try:
             run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, captured,
-                            "W per sequence" if captured else "in B")
+                            "W per sequence" if captured else "in B", compile_them)
             ins, gs = run.split(x, gy)
-            profiles[name] = top_kernels(lambda: run.step(ins, gs), device)
+            profiles[name] = top_kernels(lambda: run.step(ins, gs), device, count=40)
         except Exception as err:  # noqa: BLE001 -- recorded, the other profiles still run
             profiles[name] = {"error": failure_text(err)}
         finally:

@@ -43,7 +43,7 @@ def plans(measured: dict, hidden: int, seq_len: int) -> tuple[dict, tuple | None
     mode to simulate as (mode, cost, seconds once a step): the engine's where measured, else in B)."""
     out, costs = {}, {}
     for weights, runs in measured["samples"].items():
-        samples, once_s = merged_w_apart(runs) if weights == "W per sequence" else (sum(runs, []), 0.0)
+        samples, once_s = merged_w_apart(runs) if weights.startswith("W per sequence") else (sum(runs, []), 0.0)
         out[weights] = plan(samples, hidden, seq_len, once_s)
         costs[weights] = (weights, out[weights].pop("cost"), once_s)
     engine_mode = next((costs[w] for w in ("W per sequence", "in B") if w in costs), None)

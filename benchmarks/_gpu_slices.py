@@ -59,7 +59,7 @@ def _run_whole(model, x, gy):
 
 
 def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto",
-                compiled: bool = False):
+                compiled: bool = False, fused_norm: bool = False, head_major: bool = False):
     cap.use_kernel(kernel)
     layers, ctx, _ = cap.wrap(model)
     params = cap.block_params(model)
@@ -67,7 +67,7 @@ def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B"
     for p in params:
         p.grad = torch.zeros_like(p)
     run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights,
-                        compiled)
+                        compiled, fused_norm, head_major)
     ins, gs = run.split(x.to(dtype), gy.to(dtype))
     if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
         run.graphs.zero_grads()
@@ -93,9 +93,11 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
         variants = [("hf whole", lambda: _run_whole(model, x, gy)),
                     (f"{slices} slices eager", lambda: _run_sliced(model, x, gy, slices, False))]
         if device.type == "cuda":
-            variants += [(f"{slices} slices captured, {v.weights}, {v.kernel}" + (", compiled" if v.compiled else ""),
-                          lambda v=v: _run_sliced(model, x, gy, slices, True, v.weights, v.kernel, v.compiled))
-                         for v in cap.variants(device, compiled) if v.captured]
+            variants += [(f"{slices} slices captured, {v.weights}, {v.kernel}" + (", compiled" if v.compiled else "")
+                          + (", fused norm" if v.fused_norm else "") + (", head-major K/V" if v.head_major else ""),
+                          lambda v=v: _run_sliced(model, x, gy, slices, True, v.weights, v.kernel, v.compiled,
+                                                  v.fused_norm, v.head_major))
+                         for v in cap.variants(device, compiled, spec[0]) if v.captured]
         else:   # the deferred weight gradients' paths and the compiled blocks' graph breaks, eagerly
             variants += [(f"{slices} slices eager, {w}", lambda w=w: _run_sliced(model, x, gy, slices, False, w))
                          for w in cap.WEIGHT_MODES[1:]]
@@ -274,8 +276,24 @@ def engine_step_lines(step: dict) -> list[str]:
     return lines + [""]
 
 
+def per_slice_kernel_lines(label: str, prof: dict) -> list[str]:
+    """What each further slice adds, from the profiles of 1 and 8 slices of one mode: kernel launches
+    and device time per slice, and device time per added launch (a slice's fixed cost is mostly its
+    small kernels' own: the bytes they move are the same however the sequence is cut)."""
+    lines = []
+    for mode in ("eager", "captured", "captured_compiled"):
+        one, eight = prof.get(f"one_slice_{mode}") or {}, prof.get(f"eight_slices_{mode}") or {}
+        if "calls" not in one or "calls" not in eight or eight["calls"] <= one["calls"]:
+            continue
+        calls, ms = (eight["calls"] - one["calls"]) / 7, (eight["device_ms"] - one["device_ms"]) / 7
+        lines += ["", f"Each further slice, {label}, {mode.replace('_', ', ')}: {calls:.0f} kernel launches, "
+                  f"{ms:.3f} ms of device time ({ms / calls * 1e3:.2f} us a launch)."]
+    return lines
+
+
 def _variant_name(record: dict) -> str:
-    return f"{record['weight_grads']}, {record['attention']}" + (", compiled" if record.get("compiled") else "")
+    return (f"{record['weight_grads']}, {record['attention']}" + (", compiled" if record.get("compiled") else "")
+            + (", fused norm" if record.get("fused_norm") else "") + (", head-major K/V" if record.get("head_major") else ""))
 
 
 def markdown(result: dict, device_name: str) -> str:
@@ -320,6 +338,7 @@ def markdown(result: dict, device_name: str) -> str:
             lines.append(f"| {r['dtype']} | {r['variant']} | {r['output']:.2e} | {r['input_grad']:.2e} | "
                          f"{r['weight_grads']:.2e} | {r['passed']} |")
     for label, prof in result.get("profiles", {}).items():
+        lines += per_slice_kernel_lines(label, prof)
         for name, found in prof.items():
             if found and "error" in found:
                 lines += ["", f"Kernels, {label}, {name}: failed", "", "```", found["error"].strip(), "```"]

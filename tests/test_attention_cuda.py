@@ -18,12 +18,19 @@ def reference(q, k, v, start, scale):
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
 
+@pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("start,length,heads,kv_heads", [(0, 5, 4, 4), (7, 5, 4, 2), (16, 3, 6, 3), (9, 9, 2, 1)])
-def test_split_attention_exact(start, length, heads, kv_heads):
+def test_split_attention_exact(start, length, heads, kv_heads, token_major):
+    """``token_major``: K/V (b, g, n, d) views of (b, n, g, d) memory, as CUDA's sequence buffers are
+    (``slice_cache.TOKEN_MAJOR``): the K/V gradients come back in that layout."""
     torch.manual_seed(start + length)
     q = torch.randn(2, heads, length, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, kv_heads, start + length, 8, dtype=torch.float64, requires_grad=True)
+    if token_major:
+        k = torch.randn(2, start + length, kv_heads, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    else:
+        k = torch.randn(2, kv_heads, start + length, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
+    assert v.stride() == k.stride()
     grad = torch.randn(2, heads, length, 8, dtype=torch.float64)
     scale = 8 ** -0.5
     out = SplitAttention.apply(q, k, v, start, scale, CPU_FLASH)
@@ -33,6 +40,8 @@ def test_split_attention_exact(start, length, heads, kv_heads):
     assert torch.allclose(out, ref_out, rtol=0, atol=1e-12)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=0, atol=1e-11)
+    if start and kv_heads > 1:   # the joined K/V gradients in the cache's layout
+        assert got[1].stride() == got[2].stride() == k.stride()
 
 
 def test_split_attention_join_matters():

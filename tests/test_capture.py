@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tp_trainer.model import slice_cache
 from tp_trainer.model.capture import UnitGraphs, layer_callbacks
 from tp_trainer.model.layers import DecoderBlock, SliceContext
 from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
@@ -48,8 +49,12 @@ def graphs(hf, weights: str, order=None):
                       "cpu", torch.float64, end_backward=end_backward), deferred
 
 
+@pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("weights", ["in B", "W per slice", "W per sequence"])
-def test_units_equal_whole_sequence(weights):
+def test_units_equal_whole_sequence(weights, token_major, monkeypatch):
+    """``token_major``: the K/V buffers laid out as on CUDA (``slice_cache.TOKEN_MAJOR``)."""
+    if token_major:
+        monkeypatch.setattr(slice_cache, "TOKEN_MAJOR", {"cpu"})
     hf = model()
     x = torch.randn(1, 16, 16, dtype=torch.float64)
     gy = torch.randn_like(x)
@@ -66,6 +71,8 @@ def test_units_equal_whole_sequence(weights):
         assert torch.allclose(in_grad, want[1], rtol=0, atol=1e-12)
         for p, g in zip(hf.transformer.h.parameters(), want[2]):
             assert torch.allclose(p.grad, g, rtol=0, atol=1e-11)
+    keys = unit_graphs.kv[0].layers[0][0]
+    assert (keys.stride(1) < keys.stride(2)) == token_major   # (b, g, L, d) over (b, L, g, d) memory
     restore(deferred)
 
 
@@ -92,5 +99,43 @@ def test_flush_merged_equals_flush_per_unit():
         store.flush_merged() if merged else store.flush()
         assert len(store) == 0
         grads.append((weight.grad.clone(), bias.grad.clone()))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def _cats_while(run) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Cats.count += func.overloadpacket is torch.ops.aten.cat
+            return func(*args, **(kwargs or {}))
+    with Cats():
+        run()
+    return Cats.count
+
+
+@pytest.mark.parametrize("units", [1, 3])
+def test_flush_merged_concatenates_a_shared_input_once(units):
+    """q / k / v (and gate / up) read one input: the merged flush concatenates its pieces once for all
+    the weights that read it, and a single unit's not at all; the gradients are those of per-unit flushes."""
+    torch.manual_seed(2)
+    weights = [torch.nn.Parameter(torch.randn(out, 4, dtype=torch.float64)) for out in (6, 2, 2)]
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(units)]   # one input per unit, shared
+    dys = [[torch.randn(3, w.shape[0], dtype=torch.float64) for w in weights] for _ in range(units)]
+    grads = []
+    for merged in (False, True):
+        store = DeferredWeightGrads()
+        for w in weights:
+            w.grad = None
+        for unit in range(units):
+            store.unit = unit
+            for w, dy in zip(weights, dys[unit]):
+                store.keep(w, None, False, xs[unit].view(3, 4), dy)   # a view per layer, as reshape gives
+        cats = _cats_while(store.flush_merged if merged else store.flush)
+        grads.append([w.grad.clone() for w in weights])
+    assert cats == (0 if units == 1 else 1 + len(weights))   # x once, each weight's dy once
     for a, b in zip(*grads):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)

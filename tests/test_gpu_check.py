@@ -225,20 +225,34 @@ def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monke
     monkeypatch.setattr(capture, "UnitGraphs", lambda *args, **kwargs: unit_graphs(*args, **{**kwargs, "capture": False}))
     monkeypatch.setattr(torch.cuda, "Event", WallEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    monkeypatch.setattr(cap, "variants", lambda device, compiled=True: [
-        cap.Variant(True, w, "cudnn") for w in ("in B", "W per sequence")])
+    monkeypatch.setattr(cap, "variants", lambda device, compiled=True, family=None: [
+        cap.Variant(True, w, "cudnn") for w in ("in B", "W per sequence")] + [
+        cap.Variant(True, "W per sequence", "auto", compiled=True)])
     spec = cap.CPU_SETS["gpt2-w64"]
     measured = cap.measure_set("gpt2-w64", spec, (1, 4, 8), torch.device("cpu"), torch.float32, 1, lambda line: None)
     assert not measured["failures"]
     assert {w: [len(rows) for rows in runs] for w, runs in measured["samples"].items()} == {
-        "in B": [1, 4, 8], "W per sequence": [1, 4, 8]}
+        "in B": [1, 4, 8], "W per sequence": [1, 4, 8], "W per sequence, compiled": [1, 4, 8]}
     chosen, (weights, cost, once_s) = _gpu_plan.plans(measured, spec[1], spec[-1])
-    assert set(chosen) == {"in B", "W per sequence"} and weights == "W per sequence" and once_s >= 0
+    assert set(chosen) == {"in B", "W per sequence", "W per sequence, compiled"} and weights == "W per sequence"
     assert chosen["in B"]["once_ms"] == 0 and chosen["W per sequence"]["once_ms"] == pytest.approx(once_s * 1e3)
+    assert chosen["W per sequence, compiled"]["once_ms"] >= 0   # its merged W split apart too
     for found in chosen.values():
         assert sum(found["slices"]) == spec[-1] and found["predicted_ms"] > 0
     rows = _gpu_plan.simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], None)
     assert [(r["stages"], r["batch"]) for r in rows] == [(k, b) for k in (2, 4, 8) for b in (1, 4)]
+
+
+def test_each_further_slice_is_reported_from_the_profiles_of_1_and_8_slices():
+    """The report's per-slice line: launches and device time that 8 slices add over 1, per slice, and
+    per launch; a mode without both profiles (or with a failed one) gets no line."""
+    import _gpu_slices
+    prof = {"one_slice_captured": {"calls": 330, "device_ms": 40.65},
+            "eight_slices_captured": {"calls": 2412, "device_ms": 46.48},
+            "one_slice_captured_compiled": {"error": "boom"}, "eight_slices_captured_compiled": {"calls": 9, "device_ms": 1}}
+    lines = [line for line in _gpu_slices.per_slice_kernel_lines("llama-7b-pair", prof) if line]
+    assert lines == ["Each further slice, llama-7b-pair, captured: 297 kernel launches, 0.833 ms of device time "
+                     "(2.80 us a launch)."]
 
 
 def test_compiled_variants_on_the_cpu():

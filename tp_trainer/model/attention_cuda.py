@@ -111,7 +111,16 @@ class SplitAttention(torch.autograd.Function):
         if len(grads) == 1:
             return (*grads[0], None, None, None)
         (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = grads
-        return dq_a + dq_b, torch.cat([dk_a, dk_b], 2), torch.cat([dv_a, dv_b], 2), None, None, None
+        return dq_a + dq_b, _join_keys(dk_a, dk_b, keys), _join_keys(dv_a, dv_b, values), None, None, None
+
+
+def _join_keys(context: torch.Tensor, own: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The two parts' K (or V) gradients (b, g, n, d) joined along the keys, laid out as ``like`` (the
+    cache's view): token-major buffers (``slice_cache.TOKEN_MAJOR``) get a token-major gradient, so the
+    fold into their accumulators adds contiguous blocks."""
+    if like.stride(1) < like.stride(2):
+        return torch.cat([context.transpose(1, 2), own.transpose(1, 2)], 1).transpose(1, 2)
+    return torch.cat([context, own], 2)
 
 
 def cuda_path(query, key, span, dropout: float, kwargs) -> bool:

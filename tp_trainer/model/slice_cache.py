@@ -64,19 +64,28 @@ def fold_kv_grad(grad: torch.Tensor, acc: torch.Tensor, start: int, length: int,
     """The gradient of the K (or V) of keys [first, start + length), (b, g, start + length - first, d), as
     slice [start, start + length)'s backward makes it: the earlier slices' part [first, start) is added into
     the sequence's accumulator ``acc`` (b, g, L, d) (their backward comes later); returned, (b, g, length, d)
-    contiguous: the slice's own part plus what later slices (whose backward ran first) added there."""
+    laid out as ``acc`` (token-major buffers: ``TOKEN_MAJOR``) or contiguous: the slice's own part plus what
+    later slices (whose backward ran first) added there."""
     if start > first:
         acc.narrow(2, first, start - first).add_(grad.narrow(2, 0, start - first))
-    b, g, _, d = grad.shape
-    return torch.add(grad.narrow(2, start - first, length), acc.narrow(2, start, length),
-                     out=grad.new_empty(b, g, length, d))
+    own = acc.narrow(2, start, length)
+    return torch.add(grad.narrow(2, start - first, length), own, out=torch.empty_like(own))
+
+
+# Devices whose K/V buffers are token-major in memory, (b, L, heads, d), seen as (b, heads, L, d): a slice's
+# rows [c, c + l) are then one contiguous block (b = 1), so its K/V write (HF's k, v are token-major views of
+# the projection) and the gradient folds above are plain contiguous copies and adds (vectorized kernels on a
+# GPU, where head-major buffers made them strided), and the slice's k, v gradients reach the projections'
+# backward without a transposing copy. CPUs keep head-major buffers (the layout their flash kernel was
+# measured with); the tests run both.
+TOKEN_MAJOR = {"cuda"}
 
 
 @dataclass
 class SequenceKV:
     """K/V buffers and their gradient accumulators for one microbatch on one stage.
 
-    ``seq_len`` is the full sequence length L; buffers are allocated per layer on the first write,
+    ``seq_len`` is the full sequence length L; buffers (token-major on ``TOKEN_MAJOR`` devices) are allocated per layer on the first write,
     with the shape (b, heads, L, head_dim) taken from the first slice's keys, or before the slice runs
     (``allocate``: the fused, compilable path of ``slice_op``).
     Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
@@ -104,7 +113,11 @@ class SequenceKV:
         """The layer's buffers (b, heads, L, dim), allocated before a slice runs if absent (the fused
         op of ``slice_op`` needs them as inputs; a traced region must not create them)."""
         if layer_idx not in self.layers:
-            keys = torch.empty((batch, heads, self.seq_len, dim), dtype=dtype, device=device)
+            if torch.device(device).type in TOKEN_MAJOR:
+                keys = torch.empty((batch, self.seq_len, heads, dim), dtype=dtype, device=device).transpose(1, 2)
+            else:
+                keys = torch.empty((batch, heads, self.seq_len, dim), dtype=dtype, device=device)
+            # *_like keep a dense tensor's strides: values and accumulators take the keys' layout
             self.layers[layer_idx] = (keys, torch.empty_like(keys), torch.zeros_like(keys), torch.zeros_like(keys))
         return self.layers[layer_idx]
 

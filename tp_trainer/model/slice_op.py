@@ -86,15 +86,15 @@ def _slice_attention_backward(grad_out: Tensor, query: Tensor, keys: Tensor, val
                                              attn_mask=mask, scale=scale)
     if grad_q.stride() != query.stride():
         grad_q = torch.empty_like(query).copy_(grad_q)
-    return (grad_q, fold_kv_grad(grad_k, acc_k, start, length, first),   # contiguous (b, g, l, d), as the fake says
+    return (grad_q, fold_kv_grad(grad_k, acc_k, start, length, first),   # (b, g, l, d) in acc's layout, as the fake says
             fold_kv_grad(grad_v, acc_v, start, length, first))
 
 
 @torch.library.register_fake("tp::slice_attention_backward", lib=_LIB)
 def _slice_attention_backward_fake(grad_out, query, keys, values, out, lse, acc_k, acc_v, start, length, first,
                                    mask, scale):
-    b, g, _, d = keys.shape
-    return torch.empty_like(query), keys.new_empty(b, g, length, d), keys.new_empty(b, g, length, d)
+    own = acc_k.narrow(2, start, length)
+    return torch.empty_like(query), torch.empty_like(own), torch.empty_like(own)
 
 
 _LIB.impl("slice_attention", _slice_attention, "CPU")

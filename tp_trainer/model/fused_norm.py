@@ -1,0 +1,56 @@
+"""HF's RMSNorm as torch's fused kernels on a GPU: one kernel forward, one backward.
+
+HF's ``LlamaRMSNorm`` (Mistral's, Qwen2's and Qwen3's are the same code) runs 7 kernels forward (to
+float32, pow, mean, add eps, rsqrt, multiply, back to the input dtype, multiply by the weight) and
+about 12 backward. Sliced, every slice pays them again for each norm: a Llama layer has two, so about
+38 of the ~150 kernels a layer-slice launches on a GPU, each costing its launch and ramp (~2.8 us
+inside a CUDA graph on an H200) whatever the slice's length. ``aten._fused_rms_norm`` (CUDA) does the
+same function in one pass: float32 statistics, the weight applied before the one rounding to the
+input dtype (HF rounds once more in between, so in bf16 the fused result is the closer to float64).
+
+Opt-in, measured by ``benchmarks/gpu_check.py`` (the slice step's "fused norm" variant). Only on
+CUDA by default: on a CPU torch runs the op as a composite of the same ATen ops (what the tests
+check), so nothing is gained there.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+FUSABLE = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def fusable(module: nn.Module) -> bool:
+    """Whether ``module`` is one of HF's RMSNorms whose function the fused kernel computes."""
+    return (type(module).__name__ in FUSABLE and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def fused_rms_norm(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``module``'s forward through ``aten._fused_rms_norm``; HF's own where the input's dtype is not
+    the weight's (HF's result then takes the promoted dtype, the fused kernel's would not)."""
+    if hidden.dtype != module.weight.dtype:
+        return type(module).forward(module, hidden)
+    return torch.ops.aten._fused_rms_norm(hidden, [hidden.shape[-1]], module.weight, module.variance_epsilon)[0]
+
+
+def fuse_rms_norms(roots, device_types=("cuda",)) -> list[nn.Module]:
+    """Route the forward of every fusable RMSNorm under ``roots`` whose weight is on one of
+    ``device_types`` through ``fused_rms_norm``; returns the modules changed (``unfuse`` puts them
+    back). (The tests fuse on a CPU, forward only.)"""
+    changed = []
+    for root in roots:
+        for module in root.modules():
+            if fusable(module) and module.weight.device.type in device_types:
+                module.forward = partial(fused_rms_norm, module)
+                changed.append(module)
+    return changed
+
+
+def unfuse(modules) -> None:
+    """Give each module its class's forward again."""
+    for module in modules:
+        vars(module).pop("forward", None)
