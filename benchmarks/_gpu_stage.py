@@ -1,7 +1,8 @@
 """gpu_check's engine step: a whole 1-stage training step through TeraPipeEngine (embedding, decoder
 blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eager against captured
 (``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``) and captured with each block
-compiled around its attention (``terapipe.compile_blocks``: ``_gpu_capture.compile_backend``). One rank, started by
+compiled around its attention (``terapipe.compile_blocks``: ``_gpu_capture.compile_backend``), and captured with
+the RMSNorms fused (``terapipe.fused_rms_norm``). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:
 
     _gpu_stage.py OUT_JSON [--tiny] [--no_compiled] [--seconds S] [--start K]
@@ -42,18 +43,22 @@ SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, (1, 8), "bf16"),
         "llama-w64": (64, 4, 2, 160, 2, 256, 128, (1, 4), "fp32")}
 
 
-# blocks: (terapipe.cuda_graphs, compiled), the compiled one last (its compile should not cost the others)
-BLOCKS = {"eager": (False, False), "captured": (True, False), "captured, compiled": (True, True)}
+# blocks: (terapipe.cuda_graphs, compiled, terapipe.fused_rms_norm), the compiled one last (its compile
+# should not cost the others)
+BLOCKS = {"eager": (False, False, False), "captured": (True, False, False),
+          "captured, fused norm": (True, False, True), "captured, compiled": (True, True, False)}
 
 
-def ds_config(seq_len: int, slices: int, captured: bool, precision: str, compiled: str | None = None) -> dict:
+def ds_config(seq_len: int, slices: int, captured: bool, precision: str, compiled: str | None = None,
+              fused_norm: bool = False) -> dict:
     # 1 microbatch x 1 sequence x seq_len tokens a step, one rank
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 0},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
               "pipeline": {"stages": 1},
               "terapipe": {"seq_len": seq_len, "slices": f"uniform:{slices}", "schedule": "gpipe",
-                           "cuda_graphs": captured, "compile_blocks": compiled, "bind_cores": False}}
+                           "cuda_graphs": captured, "compile_blocks": compiled, "fused_rms_norm": fused_norm,
+                           "bind_cores": False}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
@@ -84,7 +89,7 @@ def timed_steps(engine, vocab: int, seq_len: int) -> tuple[float, float]:
 def variants(label: str, compiled: bool = True) -> list[tuple[str, int, str]]:
     """(name, slices, blocks) of each engine the step times, in order: blocks eager, captured, then
     (``compiled``) captured and compiled, the compiled last (its compile should not cost the others)."""
-    return [(f"{slices} slices, {blocks}", slices, blocks) for blocks, (_, compile_them) in BLOCKS.items()
+    return [(f"{slices} slices, {blocks}", slices, blocks) for blocks, (_, compile_them, _) in BLOCKS.items()
             if compiled or not compile_them for slices in SETS[label][7]]
 
 
@@ -111,12 +116,12 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
     stop_at = None if seconds is None else time.monotonic() + seconds
     backend = compile_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     for name, slices, blocks in variants(label, compiled)[start:]:
-        captured, compile_them = BLOCKS[blocks]
+        captured, compile_them, fused_norm = BLOCKS[blocks]
         if stop_at is not None and time.monotonic() >= stop_at:
             out["not_run"].append(f"engine step, {name}")
             continue
         try:
-            ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None)
+            ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None, fused_norm)
             engine, *_ = initialize(meta_model(config), ds, seed=1)
             ms, loss = timed_steps(engine, vocab, seq_len)
             out["records"].append({"slices": slices, "blocks": blocks, "ms": ms, "loss": loss,

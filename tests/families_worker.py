@@ -52,15 +52,18 @@ ROPE = {"yarn4": {"rope_type": "yarn", "factor": 4.0}, "linear2": {"rope_type": 
 ROPE_POSITIONS = 8
 
 
-def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", cut=False, **overrides):
-    """``cut``: the 2 stages split inside block 1, between its attention and its MLP (model/halves.py)."""
+def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", cut=False, fused=False, **overrides):
+    """``cut``: the 2 stages split inside block 1, between its attention and its MLP (model/halves.py);
+    ``fused``: terapipe.fused_rms_norm (float64 keeps HF's norm; fp32 runs torch's fused op)."""
     parts = [f"pp{stages}", family, "tied" if tied else "untied", impl, *(f"{k}={v}" for k, v in overrides.items())]
     if schedule != "gpipe":
         parts.append(schedule)
     if cut:
         parts.append("cut")
+    if fused:
+        parts.append("fused_norm")
     return {"name": "-".join(parts), "family": family, "tied": tied, "impl": impl, "stages": stages,
-            "schedule": schedule, "cut": cut, "overrides": overrides}
+            "schedule": schedule, "cut": cut, "fused": fused, "overrides": overrides}
 
 
 def cut_split(case: dict, config) -> list | None:
@@ -76,7 +79,7 @@ def cases(stages: int) -> list[dict]:
     """The cases one launch of ``stages`` ranks (one pipeline) runs."""
     if stages == 1:
         return [_case("gpt_neo", True, "eager", 1), _case("opt", True, "sdpa", 1, word_embed_proj_dim=16),
-                _case("llama", False, "sdpa", 1), _case("qwen2", True, "sdpa", 1, rope="linear2")]
+                _case("llama", False, "sdpa", 1, fused=True), _case("qwen2", True, "sdpa", 1, rope="linear2")]
     return [
         _case("gpt_neo", True, "eager"),      # GPT-Neo has only eager attention (and flash-attn-2)
         _case("gpt_neo", False, "eager", schedule="1f1b"),
@@ -142,7 +145,9 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def ds_config(case: dict) -> dict:
-    return ph.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, SLICES, case["schedule"])
+    config = ph.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, SLICES, case["schedule"])
+    config["terapipe"]["fused_rms_norm"] = case["fused"]
+    return config
 
 
 def main():

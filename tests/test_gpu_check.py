@@ -169,9 +169,10 @@ def test_slice_step_on_the_cpu(cpu_run):
     text = (out / "gpu_check.md").read_text()
     assert "DeepSpeed's per-backward clear + fold, gpt2-w64" in text and "- S = 8: " in text
     # the whole 1-stage engine step, blocks eager and through captured_blocks (eager units on a CPU):
-    # the same loss (compiled blocks under --compile off: none)
+    # and with the RMSNorms fused (torch's composite on a CPU): the same loss (compiled blocks under
+    # --compile off: none)
     step = report["engine_step"]
-    kinds = ("eager", "captured")
+    kinds = ("eager", "captured", "captured, fused norm")
     assert not step["errors"] and {(r["slices"], r["blocks"]) for r in step["records"]} == {
         (s, b) for s in (1, 4) for b in kinds}
     losses = {(r["slices"], r["blocks"]): r["loss"] for r in step["records"]}
@@ -311,7 +312,7 @@ def test_deadline_leaves_what_is_left_listed(tmp_path):
     assert len(measured["not_run"]) == 1 and "compiled=True" in measured["not_run"][0]
     stage = _gpu_stage.measure("llama-w64", str(tmp_path / "stage.json"), compiled=False, seconds=0)
     assert stage["records"] == [] and sorted(stage["not_run"]) == [
-        f"engine step, {s} slices, {blocks}" for s in (1, 4) for blocks in ("captured", "eager")]
+        f"engine step, {s} slices, {blocks}" for s in (1, 4) for blocks in ("captured", "captured, fused norm", "eager")]
     assert json.loads((tmp_path / "stage.json").read_text()) == stage
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out",
                            str(tmp_path), "--steps", "slices,calibration", "--deadline", "0"],

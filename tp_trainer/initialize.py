@@ -26,6 +26,7 @@ from .lora import add_lora
 from .ds_compat import bf16_fold_config, stage_of_rank
 from .memory import current_rss_mb
 from .model.compiled_blocks import compile_blocks
+from .model.fused_norm import fuse_rms_norms
 from .model.layers import DecoderBlock
 from .model.pipeline import build_pipeline_module
 from .plan import RunPlan
@@ -91,6 +92,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
              device=device, split=split)
     module = build_pipeline_module(model, stages, split=split)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
+    if terapipe.fused_rms_norm:   # before compile_blocks: the compiled blocks trace the fused forward
+        fuse_rms_norms([module])
     if terapipe.compile_blocks:   # compiled lazily, at each block's first slice
         compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], terapipe.compile_blocks)
     if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
