@@ -5,7 +5,7 @@ Block sets (bf16 on a GPU, fp32 on a CPU):
   llama-7b-pair  2 Llama layers of 7B width (4096, 32 heads, 8 KV heads, MLP 11008), seq 8192
 For each: one sequence (batch 1) as S uniform slices, S = 1 .. 32, forwards in order then backwards
 in reverse, through the pipeline's own layers (``DecoderBlock`` over a ``SliceContext``; on CUDA in
-bf16 the slices attend through the flash kernel, ``attention.flash_slice_attention``):
+bf16 the slices attend without a mask, through ``model/attention_cuda.py``):
   eager     the layers run slice by slice from Python, as the engine runs them;
   captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``);
   compiled  (a variant's flag) each HF block under ``torch.compile`` around its attention
@@ -35,6 +35,7 @@ from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 from tp_trainer.model.slice_cache import TOKEN_MAJOR
 
+from _gpu_attention_memory import attention_bytes
 from _gpu_cost import uniform_offsets
 from _gpu_profile import failure_text, top_kernels
 
@@ -378,43 +379,3 @@ def attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype) -> di
     names = sorted({e.key for e in prof.key_averages()
                     if any(w in e.key.lower() for w in ("attention", "flash", "fmha", "attn"))})
     return {"slices": 4, "kernels": names, "flash": any("flash" in n.lower() for n in names)}
-
-
-def _flash_call(module, query, keys, values, span):
-    from tp_trainer.model.attention import slice_attention_forward
-    use_kernel("flash")
-    try:
-        return slice_attention_forward(module, query, keys, values, span)
-    finally:
-        use_kernel("auto")
-
-
-def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype) -> dict:
-    """Memory of one layer's attention of a slice of l = seq/8 tokens after c tokens of context:
-    bytes kept for backward (allocated after the forward, the output's included) and the forward's
-    transient peak, through the slice path and through HF's SDPA with the slice's boolean mask."""
-    if device.type != "cuda":
-        return {}
-    from tp_trainer.model.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
-    module = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
-    d, l = hidden // heads, seq_len // 8
-    out = {"slice_tokens": l, "contexts": [], "slice_path": [], "slice_path_flash": [], "mask_path": []}
-    for c in (0, seq_len // 4, seq_len // 2, seq_len - l):
-        keys = torch.randn(1, kv_heads, c + l, d, device=device, dtype=dtype, requires_grad=True)
-        values = torch.randn_like(keys, requires_grad=True)
-        query = torch.randn(1, heads, l, d, device=device, dtype=dtype, requires_grad=True)
-        span = SliceSpan(c, l)
-        for name, call in (("slice_path", lambda: slice_attention_forward(module, query, keys, values, span)),
-                           ("slice_path_flash", lambda: _flash_call(module, query, keys, values, span)),
-                           ("mask_path", lambda: sdpa_attention_forward(
-                               module, query, keys, values, span.mask(device), 0.0, None, None))):
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            result = call()[0]
-            torch.cuda.synchronize()
-            out[name].append({"kept": torch.cuda.memory_allocated() - before,
-                              "peak": torch.cuda.max_memory_allocated() - before})
-            del result
-        out["contexts"].append(c)
-    return out

@@ -1,0 +1,51 @@
+"""The GPU check's attention memory per slice (``_gpu_capture.measure_set`` reports it): what one
+layer's attention of a slice keeps for backward, and its forward's transient peak, against the
+slice's context, through the slice path (default kernel and flash) and through HF's SDPA with the
+slice's mask (what a masked slice would cost: quadratic in the context).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tp_trainer.model.attention_cuda import use_kernel
+
+
+def _flash_call(module, query, keys, values, span):
+    from tp_trainer.model.attention import slice_attention_forward
+    use_kernel("flash")
+    try:
+        return slice_attention_forward(module, query, keys, values, span)
+    finally:
+        use_kernel("auto")
+
+
+def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype) -> dict:
+    """Memory of one layer's attention of a slice of l = seq/8 tokens after c tokens of context:
+    bytes kept for backward (allocated after the forward, the output's included) and the forward's
+    transient peak, through the slice path and through HF's SDPA with the slice's boolean mask."""
+    if device.type != "cuda":
+        return {}
+    from tp_trainer.model.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
+    module = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
+    d, l = hidden // heads, seq_len // 8
+    out = {"slice_tokens": l, "contexts": [], "slice_path": [], "slice_path_flash": [], "mask_path": []}
+    for c in (0, seq_len // 4, seq_len // 2, seq_len - l):
+        keys = torch.randn(1, kv_heads, c + l, d, device=device, dtype=dtype, requires_grad=True)
+        values = torch.randn_like(keys, requires_grad=True)
+        query = torch.randn(1, heads, l, d, device=device, dtype=dtype, requires_grad=True)
+        span = SliceSpan(c, l)
+        for name, call in (("slice_path", lambda: slice_attention_forward(module, query, keys, values, span)),
+                           ("slice_path_flash", lambda: _flash_call(module, query, keys, values, span)),
+                           ("mask_path", lambda: sdpa_attention_forward(
+                               module, query, keys, values, span.mask(device), 0.0, None, None))):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            result = call()[0]
+            torch.cuda.synchronize()
+            out[name].append({"kept": torch.cuda.memory_allocated() - before,
+                              "peak": torch.cuda.max_memory_allocated() - before})
+            del result
+        out["contexts"].append(c)
+    return out
