@@ -1,17 +1,17 @@
-"""HF's RMSNorm as torch's fused kernels on a GPU: one kernel forward, one backward.
+"""HF's RMSNorm as torch's fused kernels on a GPU.
 
 HF's ``LlamaRMSNorm`` (Mistral's, Qwen2's and Qwen3's are the same code) runs 7 kernels forward (to
 float32, pow, mean, add eps, rsqrt, multiply, back to the input dtype, multiply by the weight) and
-about 12 backward. Sliced, every slice pays them again for each norm: a Llama layer has two, so about
-38 of the ~150 kernels a layer-slice launches on a GPU, each costing its launch and ramp (~2.8 us
-inside a CUDA graph on an H200) whatever the slice's length. ``aten._fused_rms_norm`` (CUDA) does the
-same function in one pass: float32 statistics, the weight applied before the one rounding to the
-input dtype (HF rounds once more in between, so in bf16 the fused result is the closer to float64).
+about 12 backward, several of them over float32 copies of the activations (twice the bf16 bytes).
+Sliced, every slice and norm pays them again. ``aten._fused_rms_norm`` (CUDA) computes the same
+function in one pass forward and a fused backward: float32 statistics, the weight applied before the
+one rounding to the input dtype (HF rounds once more in between, so in bf16 the fused result is the
+closer to float64).
 
 Opt-in (``terapipe.fused_rms_norm``). Measured by ``benchmarks/gpu_check.py``'s slice step ("fused
 norm"): on an H200 the Llama 7B-width pair at 8192 tokens, captured, ran 10% faster at 1 and 8 slices
-and 13% at 32 (benchmarks/RESULTS.md); HF's norm is bandwidth-bound there too, its float32
-intermediates being twice the bf16 activations. On a CPU torch runs the op as a composite of ATen
+and 13% at 32 (benchmarks/RESULTS.md): about as much at 1 slice as at 8, the gain is in bytes, not
+launches. On a CPU torch runs the op as a composite of ATen
 ops (what the tests check): nothing is gained there. float64 keeps HF's forward, which takes its
 statistics in float32 even then (the exactness tests' float64 runs match HF to 1e-12).
 """

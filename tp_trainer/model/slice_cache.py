@@ -85,9 +85,10 @@ TOKEN_MAJOR = {"cuda"}
 class SequenceKV:
     """K/V buffers and their gradient accumulators for one microbatch on one stage.
 
-    ``seq_len`` is the full sequence length L; buffers (token-major on ``TOKEN_MAJOR`` devices) are allocated per layer on the first write,
-    with the shape (b, heads, L, head_dim) taken from the first slice's keys, or before the slice runs
-    (``allocate``: the fused, compilable path of ``slice_op``).
+    ``seq_len`` is the full sequence length L; buffers (token-major in memory on ``TOKEN_MAJOR``
+    devices) are allocated per layer on the first write, with the shape (b, heads, L, head_dim) taken
+    from the first slice's keys, or before the slice runs (``allocate``: the fused, compilable path of
+    ``slice_op``).
     Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
     """
 

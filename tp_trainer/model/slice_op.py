@@ -86,7 +86,8 @@ def _slice_attention_backward(grad_out: Tensor, query: Tensor, keys: Tensor, val
                                              attn_mask=mask, scale=scale)
     if grad_q.stride() != query.stride():
         grad_q = torch.empty_like(query).copy_(grad_q)
-    return (grad_q, fold_kv_grad(grad_k, acc_k, start, length, first),   # (b, g, l, d) in acc's layout, as the fake says
+    # (b, g, l, d) in acc's layout, as the fake says
+    return (grad_q, fold_kv_grad(grad_k, acc_k, start, length, first),
             fold_kv_grad(grad_v, acc_v, start, length, first))
 
 
