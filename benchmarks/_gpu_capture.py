@@ -108,6 +108,12 @@ class Variant(NamedTuple):
     head_major: bool = False
 
 
+def flags_label(compiled: bool = False, fused_norm: bool = False, head_major: bool = False) -> str:
+    """A variant's flags as the report and the log name them (after its weights and kernel)."""
+    return "".join(text for on, text in ((compiled, ", compiled"), (fused_norm, ", fused norm"),
+                                         (head_major, ", head-major K/V")) if on)
+
+
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
     """The variants timed on ``device``; the compiled one (``compiled``) last: its compile costs the
     others nothing. The fused-norm one on CUDA for a ``family`` with RMSNorms (llama)."""
@@ -291,14 +297,14 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                             "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
                             "fused_norm": fused_norm, "head_major": head_major, "ms": ms, "whole_hf_ms": whole_hf})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
-                f"{', compiled' if compile_them else ''}{', fused norm' if fused_norm else ''}"
-                f"{', head-major K/V' if head_major else ''}) {slices} slices: {ms:.2f} ms (HF whole {whole_hf:.2f})")
+                f"{flags_label(compile_them, fused_norm, head_major)}) {slices} slices: {ms:.2f} ms "
+                f"(HF whole {whole_hf:.2f})")
             run.close()
             del run
             _free(device)
     use_kernel("auto")
+    same = ("mode", "weight_grads", "attention", "compiled", "fused_norm", "head_major")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
-        same = ("mode", "weight_grads", "attention", "compiled", "fused_norm", "head_major")
         one = [o["ms"] for o in records if o["slices"] == 1 and all(o[k] == r[k] for k in same)]
         r["whole_captured_ms"] = one[0] if one else None
     kernels, attn_bytes, profiles = {}, {}, {}

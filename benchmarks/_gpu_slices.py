@@ -93,8 +93,8 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
         variants = [("hf whole", lambda: _run_whole(model, x, gy)),
                     (f"{slices} slices eager", lambda: _run_sliced(model, x, gy, slices, False))]
         if device.type == "cuda":
-            variants += [(f"{slices} slices captured, {v.weights}, {v.kernel}" + (", compiled" if v.compiled else "")
-                          + (", fused norm" if v.fused_norm else "") + (", head-major K/V" if v.head_major else ""),
+            variants += [(f"{slices} slices captured, {v.weights}, {v.kernel}"
+                          + cap.flags_label(v.compiled, v.fused_norm, v.head_major),
                           lambda v=v: _run_sliced(model, x, gy, slices, True, v.weights, v.kernel, v.compiled,
                                                   v.fused_norm, v.head_major))
                          for v in cap.variants(device, compiled, spec[0]) if v.captured]
@@ -292,8 +292,8 @@ def per_slice_kernel_lines(label: str, prof: dict) -> list[str]:
 
 
 def _variant_name(record: dict) -> str:
-    return (f"{record['weight_grads']}, {record['attention']}" + (", compiled" if record.get("compiled") else "")
-            + (", fused norm" if record.get("fused_norm") else "") + (", head-major K/V" if record.get("head_major") else ""))
+    return f"{record['weight_grads']}, {record['attention']}" + cap.flags_label(
+        record.get("compiled", False), record.get("fused_norm", False), record.get("head_major", False))
 
 
 def markdown(result: dict, device_name: str) -> str:
