@@ -1,7 +1,8 @@
 """The exactness launches (one of ``exactness_worker.py`` per world size), shared by every test module
 of a session: test_exactness.py checks each case against plain HF, test_lora.py the LoRA cases'
-adapters, base weights and optimizer state. A world is launched on first use, so a module that
-needs only some worlds (test_lora.py: 2, 3 and 4 ranks) starts only those.
+adapters, base weights and optimizer state, test_nccl_model.py the deepspeed.comm calls recorded at
+their end. A world is launched on first use, so a module that needs only some worlds (test_lora.py:
+2, 3 and 4 ranks) starts only those.
 """
 
 from __future__ import annotations

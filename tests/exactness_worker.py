@@ -1,6 +1,7 @@
 """One rank of the exactness run: trains every case STEPS steps through TeraPipeEngine, once in
 float64 and once in fp32 (``pipeline_harness.train_case``); on 2 and 3 ranks also the packed-example
-cases (``packed_cases.py``).
+cases (``packed_cases.py``); on 2 to 4 ranks, last, the recorded steps of ``nccl_record_worker.py``
+(its cases for this world size).
 
 Saves {case name: {"f64": result, "f32": result}} (results keyed by HF parameter names).
 Usage: exactness_worker.py WORLD_SIZE OUT_DIR
@@ -42,6 +43,9 @@ def main(world, out_dir, keep=lambda case: True):
     harness.save_rank(results, out_dir)
     if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
         lora_cases.precision_runs(world, out_dir)
+    if world > 1:  # a training step's deepspeed.comm calls, recorded for the NCCL model (test_nccl_model.py)
+        import nccl_record_worker
+        nccl_record_worker.main(",".join(nccl_record_worker.CASES), out_dir)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ def free_port() -> int:
     return port
 
 
-def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600,
-              env: dict | None = None, cwd: str | None = None) -> list[str]:
-    """Run ``python script args`` as ``world_size`` ranks (in ``cwd``); return each rank's output; fail
-    on error. ``env``: more environment variables for every rank."""
+def start_ranks(script: str, world_size: int, args: list[str], timeout: float = 600, env: dict | None = None,
+                cwd: str | None = None) -> list[tuple[int, str]]:
+    """Run ``python script args`` as ``world_size`` ranks (in ``cwd``); return each rank's (exit code,
+    output), whatever the codes. ``env``: more environment variables for every rank."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -47,19 +47,42 @@ def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 60
                 proc.kill()
                 proc.wait()
         remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers in /dev/shm (RAM), ~66 MiB a rank
-    failed = [(rank, proc.returncode, out) for rank, (proc, out) in enumerate(zip(procs, outputs))
-              if proc.returncode != 0]
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
+
+
+def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600,
+              env: dict | None = None, cwd: str | None = None) -> list[str]:
+    """``start_ranks``, failing unless every rank exits 0; returns each rank's output."""
+    ranks = start_ranks(script, world_size, args, timeout, env, cwd)
+    failed = [(rank, code, out) for rank, (code, out) in enumerate(ranks) if code != 0]
     if failed:  # every failing rank: the first to fail is often not rank 0
         report = "\n".join(f"--- rank {rank} exited {code}:\n{out[-4000:]}" for rank, code, out in failed)
         raise AssertionError(f"{script} failed on ranks {[r for r, _, _ in failed]}:\n{report}")
-    return outputs
+    return [out for _, out in ranks]
+
+
+def _launcher_env(world_size: int) -> dict:
+    """The node-level variables DeepSpeed's launcher gives every rank (one node)."""
+    return {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
 
 
 def train_ranks(world_size: int, args: list[str], timeout: float = 600, env: dict | None = None) -> str:
     """``launch/train.py args`` as ``world_size`` ranks on this machine, in the environment DeepSpeed's
     launcher gives them (its node-level variables too), without the launcher's own two Python
     processes (~5 s a launch on 2 cores). The launcher itself is tested where it matters
-    (test_launch.py, test_resume.py, the multi-node tests). Returns the ranks' output, rank 0 first."""
-    # no fault injected (tests/fault_hooks): the runs that inject one go through the launcher (small_run.fault_env)
-    launcher = {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1", "TP_TEST_FAULT": ""}
-    return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, {**launcher, **(env or {})}, cwd=REPO))
+    (test_launch.py, test_bad_input_launch.py, test_report_race.py, test_faults.py, the multi-node
+    tests). Returns the ranks' output, rank 0 first; fails unless every rank exits 0."""
+    env = {**_launcher_env(world_size), "TP_TEST_FAULT": "", **(env or {})}   # no fault injected
+    return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, env, cwd=REPO))
+
+
+def train_ranks_with_fault(world_size: int, args: list[str], fault: str | None,
+                           timeout: float = 600) -> tuple[list[int], str]:
+    """``train_ranks`` with ``fault`` (a TP_TEST_FAULT of tests/fault_hooks/sitecustomize.py, e.g.
+    "crash_after_save:3"; None: no fault) injected, whatever the exit codes: (each rank's exit code,
+    the ranks' output, rank 0 first)."""
+    from small_run import fault_env
+    inherited = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    env = fault_env({**_launcher_env(world_size), **inherited}, fault)
+    ranks = start_ranks(TRAIN_SCRIPT, world_size, args, timeout, {"TP_TEST_FAULT": "", **env}, cwd=REPO)
+    return [code for code, _ in ranks], "\n".join(out for _, out in ranks)

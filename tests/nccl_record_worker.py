@@ -1,6 +1,7 @@
-"""One rank of tests/test_nccl_model.py's recorded runs: a tiny GPT-2 pipeline trained 2 steps in fp32
-with every ``deepspeed.comm`` call of the second step recorded (kind, peer or group, and each wait),
-written to OUT_DIR/CASE.rankR.json for the NCCL model (``schedule/nccl_model.py``).
+"""tests/test_nccl_model.py's recorded runs: a tiny GPT-2 pipeline trained 2 steps in fp32 with every
+``deepspeed.comm`` call of the second step recorded (kind, peer or group, and each wait), written to
+OUT_DIR/CASE.rankR.json for the NCCL model (``schedule/nccl_model.py``). ``main`` runs the cases of
+this launch's world size; tests/exactness_worker.py calls it last in each of its launches.
 
 Usage: nccl_record_worker.py CASES OUT_DIR   (CASES: comma-separated names of ``CASES`` below)
 """

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 from multirank import free_port, train_ranks
+from small_run import small_config
 
 from tp_trainer.cpu_binding import cores_text, machine_cpus, share
 from tp_trainer.run import RunArgs, run
@@ -176,7 +177,6 @@ def stdlib_text(*packages: str) -> str:
     return "\n\n".join(open(f, encoding="utf-8").read() for f in files)
 
 
-@needs_launcher
 def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     """--train_file/--validation_file: validation perplexity falls; the exported HF directory
     resumes with --model_name_or_path at exactly the perplexity the first run ended with."""
@@ -184,14 +184,14 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     train.write_text(stdlib_text("json", "email", "asyncio"))
     val.write_text(stdlib_text("http"))
     files = ["--train_file", str(train), "--validation_file", str(val), "--eval_batches", "2"]
-    first = tmp_path / "first"
-    log = launch(tmp_path, *files, "--max_steps", "6", "--eval_interval", "3", "--output_dir", str(first))
+    first, config = tmp_path / "first", small_config(tmp_path)   # ranks started directly (the launcher:
+    log = train_ranks(2, ["--deepspeed_config", config, *files, "--max_steps", "6", "--eval_interval", "3",
+                          "--output_dir", str(first)])   # test_launcher_trains_two_stages)
     ppl = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
     assert len(ppl) == 3 and ppl[0] > ppl[1] > ppl[2], ppl
     hf_dir = first / "hf_model"
     assert (hf_dir / "config.json").exists() and (hf_dir / "model.safetensors.index.json").exists()
-    # the launcher ran above: the second run's ranks start directly
-    log = train_ranks(2, ["--deepspeed_config", TINY, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
+    log = train_ranks(2, ["--deepspeed_config", config, *files, "--model_name_or_path", str(hf_dir), "--max_steps", "3",
                           "--eval_interval", "3", "--output_dir", str(tmp_path / "second"), "--no_save_hf"])
     resumed = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
     assert resumed[0] == pytest.approx(ppl[-1], rel=1e-4), (resumed, ppl)

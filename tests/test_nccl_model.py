@@ -119,14 +119,10 @@ def test_the_recorded_calls_of_receives_posted_ahead_hang(keying):
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """Every case of tests/nccl_record_worker.py, recorded in 3 launches (2, 3 and 4 ranks)."""
-    from multirank import run_ranks
-    out = tmp_path_factory.mktemp("recorded")
-    worker = os.path.join(os.path.dirname(__file__), "nccl_record_worker.py")
-    for world, names in ((2, "pp2-gpipe,pp2-1f1b"), (3, "pp3-gpipe,pp3-1f1b"), (4, "pp2-dp2-zero1")):
-        run_ranks(worker, world, [names, str(out)], timeout=600)
-    return out
+def recorded(exactness_runs):
+    """{world size: the directory of tests/nccl_record_worker.py's cases}: recorded at the end of the
+    exactness launches of 2, 3 and 4 ranks (tests/exactness_worker.py), shared with test_exactness.py."""
+    return {world: exactness_runs.launch(world) for world in (2, 3, 4)}
 
 
 @pytest.mark.parametrize("keying", ["pair", "group"])
@@ -138,7 +134,7 @@ def test_the_calls_a_real_engine_makes_pass(recorded, case, world, keying):
     NCCL's ordering, and no two communicators pending in opposite orders."""
     records = {}
     for rank in range(world):
-        with open(recorded / f"{case}.rank{rank}.json", encoding="utf-8") as handle:
+        with open(recorded[world] / f"{case}.rank{rank}.json", encoding="utf-8") as handle:
             records[rank] = json.load(handle)
     assert any(item.get("kind") == "collective" for item in records[0])   # the step's collectives are in
     calls = recorded_calls(records, world, keying)

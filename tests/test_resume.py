@@ -2,29 +2,21 @@
 a crash while checkpoint 6 is being written leaves checkpoint 3 as the one resumed."""
 
 import json
-import os
-import subprocess
 
 import pytest
 import torch
-from multirank import free_port, train_ranks
-from small_run import fault_env, small_config
+from multirank import train_ranks, train_ranks_with_fault
+from small_run import small_config
 
 from tp_trainer.config import ConfigError
 from tp_trainer.resume import resolve_resume
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_launcher = pytest.mark.requires_command("deepspeed")  # conftest: a failure under CI=true
 FLAGS = ["--max_steps", "6", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf"]
 
 
-
-def train(config, out, *flags, fault=None):
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
-           "--deepspeed_config", config, *FLAGS, "--output_dir", str(out), *flags]
-    env = fault_env(dict(os.environ, OMP_NUM_THREADS="1"), fault)  # tests/fault_hooks/sitecustomize.py
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout + proc.stderr
+def train(config, out, *flags, fault=None) -> tuple[list[int], str]:
+    """2 ranks of launch/train.py (as the launcher starts them) with ``fault`` injected: (exit codes, output)."""
+    return train_ranks_with_fault(2, ["--deepspeed_config", config, *FLAGS, "--output_dir", str(out), *flags], fault)
 
 
 def losses(out) -> dict[int, float]:
@@ -32,23 +24,21 @@ def losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}  # a re-run step overwrites
 
 
-@needs_launcher
 def test_crash_and_resume_is_exact(tmp_path):
     config = small_config(tmp_path)
-    # the unbroken run: ranks started directly (multirank.train_ranks); the launcher runs the rest
     train_ranks(2, ["--deepspeed_config", config, *FLAGS, "--output_dir", str(tmp_path / "straight")])
     straight = losses(tmp_path / "straight")
     assert sorted(straight) == [1, 2, 3, 4, 5, 6]
 
     out = tmp_path / "resumed"
-    code, log = train(config, out, "--save_interval", "3", fault="crash_after_save:3")
-    assert code != 0 and sorted(losses(out)) == [1, 2, 3], log[-3000:]
-    code, log = train(config, out, "--save_interval", "3", "--resume", fault="crash_in_save:6")
-    assert code != 0, log[-3000:]
+    codes, log = train(config, out, "--save_interval", "3", fault="crash_after_save:3")
+    assert 0 not in codes and sorted(losses(out)) == [1, 2, 3], log[-3000:]
+    codes, log = train(config, out, "--save_interval", "3", "--resume", fault="crash_in_save:6")
+    assert 0 not in codes, log[-3000:]
     assert (out / "checkpoints" / "latest").read_text() == "step3", "latest must not point at a partial save"
     assert not (out / "checkpoints" / "step6" / "COMPLETE").exists()
-    code, log = train(config, out, "--save_interval", "3", "--resume")
-    assert code == 0, log[-3000:]
+    codes, log = train(config, out, "--save_interval", "3", "--resume")
+    assert codes == [0, 0], log[-3000:]
     assert "resumed from step3 at step 3" in log
     assert losses(out) == straight  # bit for bit: json keeps every digit of the float
     assert (out / "checkpoints" / "latest").read_text() == "step6"
