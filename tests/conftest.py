@@ -44,3 +44,11 @@ def exactness_runs(tmp_path_factory):
     (exactness_launch.py)."""
     from exactness_launch import ExactnessRuns
     return ExactnessRuns(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def small_reference(tmp_path_factory):
+    """The output directory of the unbroken small run (small_run.reference_run), shared by the resume
+    tests of the session."""
+    from small_run import reference_run
+    return reference_run(tmp_path_factory.mktemp("small_reference"))

@@ -27,3 +27,19 @@ def fault_env(env: dict, fault: str | None = None) -> dict:
         paths = [FAULT_HOOKS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update(TP_TEST_FAULT=fault, PYTHONPATH=os.pathsep.join(paths))
     return env
+
+
+# The unbroken small run that test_resume.py and test_resume_layout.py resume against (conftest's
+# ``small_reference``, one launch a session): REFERENCE_STEPS steps on 2 stages, checkpoints at
+# REFERENCE_SAVED and at the end, the HF export of the last step.
+REFERENCE_STEPS, REFERENCE_SAVED = 8, 4
+REFERENCE_FLAGS = ["--eval_interval", "100", "--eval_batches", "1"]
+
+
+def reference_run(directory):
+    """Train the reference run in ``directory`` (ranks started directly); returns its output dir."""
+    from multirank import train_ranks
+    out = directory / "run"
+    train_ranks(2, ["--deepspeed_config", small_config(directory), "--output_dir", str(out), *REFERENCE_FLAGS,
+                    "--max_steps", str(REFERENCE_STEPS), "--save_interval", str(REFERENCE_SAVED)])
+    return out

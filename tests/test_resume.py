@@ -1,17 +1,18 @@
-"""Exact resume: 6 steps straight == 3 steps, a hard crash, resume, 3 more (bit for bit, fp32);
-a crash while checkpoint 6 is being written leaves checkpoint 3 as the one resumed."""
+"""Exact resume: the small reference run (8 steps straight) == 4 steps, a hard crash, resume, 4 more
+(bit for bit, fp32); a crash while checkpoint 8 is being written leaves checkpoint 4 as the one resumed."""
 
 import json
 
 import pytest
 import torch
-from multirank import train_ranks, train_ranks_with_fault
-from small_run import small_config
+from multirank import train_ranks_with_fault
+from small_run import REFERENCE_FLAGS, REFERENCE_SAVED, REFERENCE_STEPS, small_config
 
 from tp_trainer.config import ConfigError
 from tp_trainer.resume import resolve_resume
 
-FLAGS = ["--max_steps", "6", "--eval_interval", "100", "--eval_batches", "1", "--no_save_hf"]
+SAVED, STEPS = REFERENCE_SAVED, REFERENCE_STEPS
+FLAGS = [*REFERENCE_FLAGS, "--max_steps", str(STEPS), "--save_interval", str(SAVED), "--no_save_hf"]
 
 
 def train(config, out, *flags, fault=None) -> tuple[list[int], str]:
@@ -24,24 +25,21 @@ def losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}  # a re-run step overwrites
 
 
-def test_crash_and_resume_is_exact(tmp_path):
-    config = small_config(tmp_path)
-    train_ranks(2, ["--deepspeed_config", config, *FLAGS, "--output_dir", str(tmp_path / "straight")])
-    straight = losses(tmp_path / "straight")
-    assert sorted(straight) == [1, 2, 3, 4, 5, 6]
-
-    out = tmp_path / "resumed"
-    codes, log = train(config, out, "--save_interval", "3", fault="crash_after_save:3")
-    assert 0 not in codes and sorted(losses(out)) == [1, 2, 3], log[-3000:]
-    codes, log = train(config, out, "--save_interval", "3", "--resume", fault="crash_in_save:6")
+def test_crash_and_resume_is_exact(small_reference, tmp_path):
+    straight = losses(small_reference)   # the same config, data and seed, unbroken (conftest)
+    assert sorted(straight) == list(range(1, STEPS + 1))
+    config, out = small_config(tmp_path), tmp_path / "resumed"
+    codes, log = train(config, out, fault=f"crash_after_save:{SAVED}")
+    assert 0 not in codes and sorted(losses(out)) == list(range(1, SAVED + 1)), log[-3000:]
+    codes, log = train(config, out, "--resume", fault=f"crash_in_save:{STEPS}")
     assert 0 not in codes, log[-3000:]
-    assert (out / "checkpoints" / "latest").read_text() == "step3", "latest must not point at a partial save"
-    assert not (out / "checkpoints" / "step6" / "COMPLETE").exists()
-    codes, log = train(config, out, "--save_interval", "3", "--resume")
+    assert (out / "checkpoints" / "latest").read_text() == f"step{SAVED}", "latest must not point at a partial save"
+    assert not (out / "checkpoints" / f"step{STEPS}" / "COMPLETE").exists()
+    codes, log = train(config, out, "--resume")
     assert codes == [0, 0], log[-3000:]
-    assert "resumed from step3 at step 3" in log
+    assert f"resumed from step{SAVED} at step {SAVED}" in log
     assert losses(out) == straight  # bit for bit: json keeps every digit of the float
-    assert (out / "checkpoints" / "latest").read_text() == "step6"
+    assert (out / "checkpoints" / "latest").read_text() == f"step{STEPS}"
 
 
 def test_resume_errors_name_the_fix(tmp_path):

@@ -32,13 +32,12 @@ import pytest
 import torch
 from multirank import free_port, train_ranks
 from safetensors.torch import load_file
-from small_run import small_config
+from small_run import REFERENCE_FLAGS, REFERENCE_SAVED, REFERENCE_STEPS, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))   # train.py: refused() calls its main
-STEPS, SAVED = 8, 4
+STEPS, SAVED, FLAGS = REFERENCE_STEPS, REFERENCE_SAVED, REFERENCE_FLAGS
 LOSS_RTOL, PARAM_RTOL = 1e-5, 1e-4
-FLAGS = ["--eval_interval", "100", "--eval_batches", "1"]
 
 
 def config_variant(directory, name: str, **changes) -> str:
@@ -106,12 +105,10 @@ def assert_continues(resumed, reference, saved: int = SAVED) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The unbroken 2-stage x 1-replica run of STEPS steps; its step-SAVED checkpoint is the one resumed."""
-    base = tmp_path_factory.mktemp("reference")
-    out = base / "run"
-    launch(2, config_variant(base, "reference"), out, "--max_steps", str(STEPS), "--save_interval", str(SAVED))
-    return out
+def reference(small_reference):
+    """The unbroken 2-stage x 1-replica run of STEPS steps (conftest's, shared with test_resume.py); its
+    step-SAVED checkpoint is the one resumed."""
+    return small_reference
 
 
 LAYOUTS = {  # name: (ranks, config changes)
