@@ -61,28 +61,29 @@ def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 60
     return [out for _, out in ranks]
 
 
-def _launcher_env(world_size: int) -> dict:
-    """The node-level variables DeepSpeed's launcher gives every rank (one node)."""
-    return {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+def _train_env(world_size: int, fault: str | None = None) -> dict:
+    """The environment DeepSpeed's launcher gives a rank (its node-level variables too, one node), with
+    ``fault`` (a TP_TEST_FAULT of tests/fault_hooks/sitecustomize.py) injected or none."""
+    from small_run import fault_env
+    launcher = {"LOCAL_SIZE": str(world_size), "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    if os.environ.get("PYTHONPATH"):   # the ranks' own, which a fault's hooks go in front of
+        launcher["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return {"TP_TEST_FAULT": "", **fault_env(launcher, fault)}   # added to this process's environment
 
 
 def train_ranks(world_size: int, args: list[str], timeout: float = 600, env: dict | None = None) -> str:
     """``launch/train.py args`` as ``world_size`` ranks on this machine, in the environment DeepSpeed's
-    launcher gives them (its node-level variables too), without the launcher's own two Python
-    processes (~5 s a launch on 2 cores). The launcher itself is tested where it matters
-    (test_launch.py, test_bad_input_launch.py, test_report_race.py, test_faults.py, the multi-node
-    tests). Returns the ranks' output, rank 0 first; fails unless every rank exits 0."""
-    env = {**_launcher_env(world_size), "TP_TEST_FAULT": "", **(env or {})}   # no fault injected
-    return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, env, cwd=REPO))
+    launcher gives them, without the launcher's own two Python processes (~5 s a launch on 2 cores).
+    The launcher itself is tested where it matters (test_launch.py, test_bad_input_launch.py,
+    test_report_race.py, test_faults.py, the multi-node tests). Returns the ranks' output, rank 0
+    first; fails unless every rank exits 0."""
+    return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, {**_train_env(world_size), **(env or {})},
+                               cwd=REPO))
 
 
 def train_ranks_with_fault(world_size: int, args: list[str], fault: str | None,
                            timeout: float = 600) -> tuple[list[int], str]:
-    """``train_ranks`` with ``fault`` (a TP_TEST_FAULT of tests/fault_hooks/sitecustomize.py, e.g.
-    "crash_after_save:3"; None: no fault) injected, whatever the exit codes: (each rank's exit code,
-    the ranks' output, rank 0 first)."""
-    from small_run import fault_env
-    inherited = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
-    env = fault_env({**_launcher_env(world_size), **inherited}, fault)
-    ranks = start_ranks(TRAIN_SCRIPT, world_size, args, timeout, {"TP_TEST_FAULT": "", **env}, cwd=REPO)
+    """``train_ranks`` with ``fault`` (e.g. "crash_after_save:3"; None: no fault) injected, whatever the
+    exit codes: (each rank's exit code, the ranks' output, rank 0 first)."""
+    ranks = start_ranks(TRAIN_SCRIPT, world_size, args, timeout, _train_env(world_size, fault), cwd=REPO)
     return [code for code, _ in ranks], "\n".join(out for _, out in ranks)

@@ -184,9 +184,10 @@ def test_local_files_validation_and_checkpoint_round_trip(tmp_path):
     train.write_text(stdlib_text("json", "email", "asyncio"))
     val.write_text(stdlib_text("http"))
     files = ["--train_file", str(train), "--validation_file", str(val), "--eval_batches", "2"]
-    first, config = tmp_path / "first", small_config(tmp_path)   # ranks started directly (the launcher:
+    # ranks started directly: the launcher is test_launcher_trains_two_stages'
+    first, config = tmp_path / "first", small_config(tmp_path)
     log = train_ranks(2, ["--deepspeed_config", config, *files, "--max_steps", "6", "--eval_interval", "3",
-                          "--output_dir", str(first)])   # test_launcher_trains_two_stages)
+                          "--output_dir", str(first)])
     ppl = logged(log, r"step \d+ validation loss [\d.]+ perplexity ([\d.]+)")
     assert len(ppl) == 3 and ppl[0] > ppl[1] > ppl[2], ppl
     hf_dir = first / "hf_model"

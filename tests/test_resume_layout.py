@@ -22,8 +22,8 @@ compares every weight after the steps).
 Bad resumes stop before any process group with one `error:` line and write nothing.
 """
 
-import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -219,39 +219,23 @@ def tree(directory) -> dict[str, tuple[int, int]]:
     return out
 
 
-def refused(out, config: str, ranks: int, *flags) -> str:
+def refused(caplog, monkeypatch, out, config: str, ranks: int, *flags) -> str:
     """Rank 0 of a ``ranks``-rank resume, in this process (the checks run before any process group,
     as launch/train.py's ``main``); returns its single error line, checking the exit code, the single
     line and that nothing was written."""
-    import logging
-
     import train   # launch/train.py
     before = tree(out)
-    argv = ["--deepspeed_config", config, "--output_dir", str(out), "--max_steps", str(STEPS), *FLAGS, "--resume",
-            *flags]
-    with pytest.MonkeyPatch.context() as env, _error_records() as records, pytest.raises(SystemExit) as stop:
-        for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                            "MASTER_PORT": str(free_port())}.items():
-            env.setenv(name, value)
-        train.main(argv)
-    lines = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="tp_trainer"), pytest.raises(SystemExit) as stop:
+        train.main(["--deepspeed_config", config, "--output_dir", str(out), "--max_steps", str(STEPS), *FLAGS,
+                    "--resume", *flags])
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (stop.value.code, lines)
     assert tree(out) == before, "a refused resume wrote something"
     return lines[0]
-
-
-@contextlib.contextmanager
-def _error_records():
-    """The records the trainer's logger emits inside the block."""
-    import logging
-    records, handler = [], logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("tp_trainer")
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
 
 
 def write_tiny_llama(directory) -> None:
@@ -267,7 +251,7 @@ def write_tiny_llama(directory) -> None:
     PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", unk_token="w0").save_pretrained(directory)
 
 
-def test_bad_resumes_are_refused_before_any_work(reference, tmp_path):
+def test_bad_resumes_are_refused_before_any_work(reference, tmp_path, caplog, monkeypatch):
     out = tmp_path / "run"
     copy_checkpoint(reference, out, f"step{SAVED}")
     small = small_config(tmp_path)
@@ -275,17 +259,17 @@ def test_bad_resumes_are_refused_before_any_work(reference, tmp_path):
 
     bigger = config_variant(tmp_path, "batch8", train_batch_size=8, gradient_accumulation_steps=4)
     assert f"{where} was trained with a global batch of 4 sequences per step, this run has 8" in \
-        refused(out, bigger, 2)
+        refused(caplog, monkeypatch, out, bigger, 2)
     assert f"{where} holds a different gpt2 model (transformer.h.0.attn.c_attn.bias is (768,) there, (2304,) " \
-           f"here)" in refused(out, small, 2, "--config_name", "gpt2")
+           f"here)" in refused(caplog, monkeypatch, out, small, 2, "--config_name", "gpt2")
     llama = tmp_path / "llama"
     write_tiny_llama(llama)
     assert f"{where} holds a 'gpt2' model, this run builds a 'llama' model" in \
-        refused(out, small, 2, "--model_name_or_path", str(llama))
+        refused(caplog, monkeypatch, out, small, 2, "--model_name_or_path", str(llama))
     os.remove(out / "checkpoints" / f"step{SAVED}" / "optim-stage1.safetensors")
     one_stage = config_variant(tmp_path, "one", pipeline={"stages": 1})
     assert f"{where}: optimizer shard optim-stage1.safetensors is missing; copy it from the machine that saved " \
-           f"the checkpoint, or pass --reset_optimizer to keep only the weights" in refused(out, one_stage, 1)
+           f"the checkpoint, or pass --reset_optimizer to keep only the weights" in refused(caplog, monkeypatch, out, one_stage, 1)
 
 
 def test_other_refusals_in_process(reference, zero1_run, tmp_path):
