@@ -27,6 +27,7 @@ back. Handles GPT-2's ``Conv1D`` (weight stored (in, out)) and ``nn.Linear`` ((o
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 
 import torch
@@ -71,38 +72,49 @@ class DeferredWeightGrads:
         all their tokens (the units' x and dy concatenated), then free them. Opt-in: on a CPU one
         product per unit was as fast; on a GPU a product per slice reads and writes the whole weight
         gradient every slice (O(parameters) memory traffic per slice), one per sequence does it once,
-        at the price of concatenating x and dy (O(tokens x width); ``_joined`` copies a shared input
+        at the price of concatenating x and dy (O(tokens x width); ``_Joins`` copies a shared input
         once and a single unit's not at all)."""
-        merged, joined = {}, {}
+        merged = {}
         for key in list(self.kept):
             for entry in self.kept.pop(key):
                 merged.setdefault((id(entry[0]), len(entry)), []).append(entry)
-        for entries in merged.values():
-            if len(entries[0]) == 3:   # embedding rows
-                weight = entries[0][0]
-                _apply(self.master, weight, _joined([e[1] for e in entries], joined),
-                       _joined([e[2] for e in entries], joined))
-                continue
-            weight, bias, in_out = entries[0][:3]
-            _apply(self.master, weight, bias, in_out, _joined([e[3] for e in entries], joined),
-                   _joined([e[4] for e in entries], joined))
+        # every entry ends with its x and dy (an embedding's: ids and rows), after weight [, bias, in_out]
+        joins = _Joins([e[end] for e in entries] for entries in merged.values() for end in (-2, -1))
+        for key in list(merged):
+            entries = merged.pop(key)   # its pieces are freed once applied
+            _apply(self.master, *entries[0][:-2], joins.take([e[-2] for e in entries]),
+                   joins.take([e[-1] for e in entries]))
 
     def __len__(self) -> int:
         """Units whose weight gradients are still kept."""
         return len(self.kept)
 
 
-def _joined(pieces: list[torch.Tensor], joined: dict) -> torch.Tensor:
-    """``torch.cat(pieces)``, made once per distinct list of pieces in one flush (``joined`` keeps them):
-    Llama's q/k/v projections read one input, as gate/up do, so their x is concatenated once, not
-    three times (a 7B-width layer: 3 of 7 inputs, 17% of the bytes a merged flush copies). A single
-    piece (one unit: a whole sequence) is returned as it is, not copied."""
-    if len(pieces) == 1:
-        return pieces[0]
-    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in pieces)
-    if key not in joined:
-        joined[key] = torch.cat(pieces)
-    return joined[key]
+class _Joins:
+    """``torch.cat(pieces)`` for the lists of pieces of one flush, each made once and kept only until
+    its last use: Llama's q/k/v projections read one input, as gate/up do, so their x is concatenated
+    once, not three times (a 7B-width layer: 3 of 7 inputs, 17% of the bytes a merged flush copies).
+    A single piece (one unit: a whole sequence) is returned as it is, not copied."""
+
+    def __init__(self, piece_lists):
+        self.uses = Counter(_pieces_key(pieces) for pieces in piece_lists if len(pieces) > 1)
+        self.made: dict = {}
+
+    def take(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        if len(pieces) == 1:
+            return pieces[0]
+        key = _pieces_key(pieces)
+        joined = self.made.pop(key, None)
+        if joined is None:
+            joined = torch.cat(pieces)
+        self.uses[key] -= 1
+        if self.uses[key]:   # a later weight reads the same pieces
+            self.made[key] = joined
+        return joined
+
+
+def _pieces_key(pieces: list[torch.Tensor]) -> tuple:
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in pieces)
 
 
 @torch.no_grad()
