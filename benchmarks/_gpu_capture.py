@@ -115,8 +115,8 @@ def flags_label(compiled: bool = False, fused_norm: bool = False, head_major: bo
 
 
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
-    """The variants timed on ``device``; the compiled one (``compiled``) last: its compile costs the
-    others nothing. The fused-norm one on CUDA for a ``family`` with RMSNorms (llama)."""
+    """The variants timed on ``device``; the compiled ones (``compiled``) last: their compile costs the
+    others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama)."""
     if device.type != "cuda":
         found = [Variant(False, "in B", "auto")]
     else:
@@ -126,6 +126,8 @@ def variants(device, compiled: bool = True, family: str | None = None) -> list[V
                  + [Variant(True, "W per sequence", "auto", head_major=True), Variant(True, "W per sequence", "auto")])
     if compiled:
         found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
+    if compiled and device.type == "cuda" and family == "llama":   # both: the fastest the engine offers
+        found.append(Variant(True, "W per sequence", "auto", compiled=True, fused_norm=True))
     return found
 
 
@@ -281,9 +283,10 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                                 compile_them, fused_norm, head_major)
                 ins, gs = run.split(x, gy)
                 ms = timed(lambda: run.step(ins, gs), repeats, device)
-                if mode_captured and (kernel == "cudnn" or compile_them):   # one list per run (W per sequence
-                    # is split apart); the compiled variant's too: the engine's fastest GPU mode
-                    samples.setdefault(weights + (", compiled" if compile_them else ""), []).append(
+                if mode_captured and (kernel == "cudnn" or compile_them or fused_norm):   # one list per run
+                    # (W per sequence is split apart); the compiled and fused-norm variants' too: the
+                    # engine's fastest GPU mode and its default on CUDA
+                    samples.setdefault(weights + flags_label(compile_them, fused_norm), []).append(
                         unit_samples(run, ins, gs))
             except Exception as err:  # noqa: BLE001 -- the other variants still run
                 if run is not None:

@@ -40,13 +40,14 @@ def plan(samples, hidden: int, seq_len: int, once_s: float = 0.0, stages: int = 
 
 def plans(measured: dict, hidden: int, seq_len: int) -> tuple[dict, tuple | None]:
     """(``plan`` per weight-gradient mode of ``measured["samples"]`` (``_gpu_capture.measure_set``), the
-    mode to simulate as (mode, cost, seconds once a step): the engine's where measured, else in B)."""
+    mode to simulate as (mode, cost, seconds once a step): the engine's default on CUDA where measured (RMSNorms
+    fused, ``terapipe.fused_rms_norm``), else the same with HF's norms, else in B)."""
     out, costs = {}, {}
     for weights, runs in measured["samples"].items():
         samples, once_s = merged_w_apart(runs) if weights.startswith("W per sequence") else (sum(runs, []), 0.0)
         out[weights] = plan(samples, hidden, seq_len, once_s)
         costs[weights] = (weights, out[weights].pop("cost"), once_s)
-    engine_mode = next((costs[w] for w in ("W per sequence", "in B") if w in costs), None)
+    engine_mode = next((costs[w] for w in ("W per sequence, fused norm", "W per sequence", "in B") if w in costs), None)
     return out, engine_mode
 
 

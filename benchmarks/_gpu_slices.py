@@ -123,15 +123,22 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
-def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: float | None = None) -> dict:
+def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: float | None = None,
+        only: list[str] | None = None) -> dict:
     """The whole slice step; every part's failure is recorded with its traceback, not raised.
     ``compiled``: also the variants with the blocks compiled around their attention. ``deadline``
-    (``past``): past it no block set, variant or engine starts; what was not run is listed in "not_run"."""
+    (``past``): past it no block set, variant or engine starts; what was not run is listed in "not_run".
+    ``only``: the block sets to run (labels of ``cap.SETS`` / ``cap.CPU_SETS``); None: all."""
     def past_deadline() -> bool:
         return past(deadline)
 
     gpu = device.type == "cuda"
     sets = cap.SETS if gpu else cap.CPU_SETS
+    if only is not None:
+        if set(only) - set(sets):
+            raise SystemExit(f"error: --sets: unknown block set(s) {sorted(set(only) - set(sets))}; "
+                             f"choose from {', '.join(sets)}")
+        sets = {label: spec for label, spec in sets.items() if label in only}
     dtype = torch.bfloat16 if gpu else torch.float32
     counts = QUICK_COUNTS if quick else SLICE_COUNTS
     if not gpu:

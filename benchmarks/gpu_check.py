@@ -1,7 +1,7 @@
 """One command that checks the GPU path, measures what slicing costs there, and calibrates the cost models.
 
     python benchmarks/gpu_check.py [--device auto|cpu] [--steps engine,slices,calibration,multi] [--quick]
-                                   [--sizes small|full] [--out DIR] [--budget S] [--deadline S]
+                                   [--sizes small|full] [--out DIR] [--budget S] [--deadline S] [--sets A,B]
     bash scripts/gpu_check.sh [same flags]       # sets up .venv with a CUDA torch first
 
 Steps (each result says which device it ran on; a step that cannot run here says why):
@@ -14,9 +14,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      measured costs; simulated pipelines of 2, 4 and 8 stages; a whole 1-stage engine step (embedding,
      the Llama pair, head, loss, optimizer) at 1 and 8 slices, blocks eager and captured
      (``terapipe.cuda_graphs``, ``_gpu_stage.py``). On a CPU: two tiny sets, eager only.
-     ``--quick``: this step only, at 1, 8 and 32 slices (its eager and captured sets took 3 minutes on
-     an H100; the engine step and the compiled variants, ``--compile off`` to leave them out, have not
-     run on a GPU).
+     ``--quick``: this step only, at 1, 8 and 32 slices (with the engine step and the compiled
+     variants, ``--compile off`` to leave them out: 280 s on an H200); ``--sets llama-7b-pair``: that
+     block set only (and the engine step).
   engine  1. exactness of a 1-stage pipeline against HF on the same GPU: every slicing of the exactness
      harness (tests/exactness_cases.py), fp32 with TF32 off, judged by tests/pipeline_harness.py;
      2. fp16 with DeepSpeed's dynamic loss scale, 50 steps against fp32: final loss within 2%; a
@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after which no measurement starts (what is left is listed as not run); the "
                         "report is still written")
+    p.add_argument("--sets", default=None,
+                   help="comma-separated block sets of the slice step (default: all; on a GPU gpt2-medium, "
+                        "llama-7b-pair; on a CPU gpt2-w64, llama-w64)")
     p.add_argument("--quick", action="store_true",
                    help="the slice step only, at 1, 8 and 32 slices (its eager and captured sets: 3 minutes on an H100)")
     return p.parse_args(argv)
@@ -278,7 +281,7 @@ def main(argv=None) -> dict:
         slices = _gpu_slices.run(torch.device(device), args.quick,
                                  lambda line: print(f"[gpu_check] slices: {line}", flush=True),
                                  keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off",
-                                 deadline=deadline)
+                                 deadline=deadline, only=args.sets.split(",") if args.sets else None)
         _keep(out_dir, "slices", slices)
     not_asked = ("--no_engine_steps was given" if args.no_engine_steps else
                  None if "engine" in steps_asked else "not in --steps")

@@ -204,7 +204,8 @@ def test_merged_weight_gradients_are_taken_out_of_slice_0_and_planned_once():
 def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monkeypatch):
     """The slice step's samples and plans as a GPU takes them, on a CPU: captured variants (their units
     run eagerly without CUDA), CUDA events standing in as wall-clock marks. Every mode yields one list
-    of unit rows per slice count and a plan; the engine's mode (W per sequence) is the one simulated."""
+    of unit rows per slice count and a plan; the engine's default mode on CUDA (W per sequence, RMSNorms
+    fused) is the one simulated."""
     import time
 
     import _gpu_capture as cap
@@ -228,16 +229,19 @@ def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monke
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     monkeypatch.setattr(cap, "variants", lambda device, compiled=True, family=None: [
         cap.Variant(True, w, "cudnn") for w in ("in B", "W per sequence")] + [
+        cap.Variant(True, "W per sequence", "auto", fused_norm=True),
         cap.Variant(True, "W per sequence", "auto", compiled=True)])
-    spec = cap.CPU_SETS["gpt2-w64"]
-    measured = cap.measure_set("gpt2-w64", spec, (1, 4), torch.device("cpu"), torch.float32, 1, lambda line: None)
+    spec = cap.CPU_SETS["llama-w64"]
+    measured = cap.measure_set("llama-w64", spec, (1, 4), torch.device("cpu"), torch.float32, 1, lambda line: None)
     assert not measured["failures"]
-    assert {w: [len(rows) for rows in runs] for w, runs in measured["samples"].items()} == {
-        "in B": [1, 4], "W per sequence": [1, 4], "W per sequence, compiled": [1, 4]}
+    modes = ("in B", "W per sequence", "W per sequence, fused norm", "W per sequence, compiled")
+    assert {w: [len(rows) for rows in runs] for w, runs in measured["samples"].items()} == {w: [1, 4] for w in modes}
     chosen, (weights, cost, once_s) = _gpu_plan.plans(measured, spec[1], spec[-1])
-    assert set(chosen) == {"in B", "W per sequence", "W per sequence, compiled"} and weights == "W per sequence"
-    assert chosen["in B"]["once_ms"] == 0 and chosen["W per sequence"]["once_ms"] == pytest.approx(once_s * 1e3)
-    assert chosen["W per sequence, compiled"]["once_ms"] >= 0   # its merged W split apart too
+    assert set(chosen) == set(modes) and weights == "W per sequence, fused norm"
+    assert _gpu_plan.plans({"samples": {w: measured["samples"][w] for w in modes[:2]}}, spec[1], spec[-1])[1][0] \
+        == "W per sequence"   # without the fused variant: HF's norms
+    assert chosen["in B"]["once_ms"] == 0 and chosen[weights]["once_ms"] == pytest.approx(once_s * 1e3)
+    assert chosen["W per sequence"]["once_ms"] > 0 and chosen["W per sequence, compiled"]["once_ms"] >= 0   # merged W apart
     for found in chosen.values():
         assert sum(found["slices"]) == spec[-1] and found["predicted_ms"] > 0
     rows = _gpu_plan.simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], None)
