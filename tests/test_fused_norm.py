@@ -3,7 +3,7 @@ within rounding of HF, forward and backward, against the function in float64; bf
 float64 than HF), that float64 keeps HF's own forward, and that ``unfuse`` gives the class's forward
 back. On a CPU torch runs the op as its composite of ATen ops; on a GPU the GPU check's exactness
 rows ("fused norm") compare the fused kernels against float64. The engine's flag
-(``terapipe.fused_rms_norm``): tests/test_families.py's 1-stage Llama case."""
+(``terapipe.fused_rms_norm``): tests/test_families.py's 1-stage Llama case; the planner's probe: the last test."""
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -71,3 +71,16 @@ def test_fused_norm_in_bf16_is_no_farther_from_float64_than_hf():
     hf, fused = norm(x), fused_rms_norm(norm, x)
     assert _rel(fused, exact) <= _rel(hf, exact) and 0 < _rel(hf, exact) < 1e-2
     assert fused_rms_norm(norm, x.float()).dtype == torch.float32   # not the weight's dtype: HF's own forward
+
+
+def test_the_planner_profiles_the_norms_the_run_runs():
+    """``probe_parts(fused_norm=...)``: the probe's RMSNorms fused or not, as the run's
+    (``terapipe.fuses_norms`` picks it: on CUDA by default), so the planner times what the run does."""
+    from tp_trainer.planner.layer_cost import probe_parts
+    config = llama().config
+    for fused in (False, True):
+        parts, _, _ = probe_parts(config, fused_norm=fused)
+        norms = [m for funcs in parts.values() for f in funcs
+                 for m in (f if isinstance(f, torch.nn.Module) else f.args[0]).modules() if fusable(m)]
+        assert len(norms) == 3   # the block's two and the final one
+        assert all(("forward" in vars(m) and vars(m)["forward"].args[0] is m) == fused for m in norms)

@@ -28,6 +28,7 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "split_blocks": 1}, r"terapipe.split_blocks: must be true or false, got 1"),
     ({"seq_len": 16, "share_halves": "no"}, r"terapipe.share_halves: must be true or false, got 'no'"),
     ({"seq_len": 16, "cuda_graphs": "on"}, r"terapipe.cuda_graphs: must be true or false, got 'on'"),
+    ({"seq_len": 16, "fused_rms_norm": "on"}, r"terapipe.fused_rms_norm: must be true, false or \"auto\", got 'on'"),
     ({"seq_len": 16, "compile_blocks": True}, r"terapipe.compile_blocks: True; use one of \['inductor', 'aot_eager'\]"),
     ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "compile_blocks": "inductor"},
      r"terapipe.compile_blocks: the plan under memory_limit_gib may checkpoint"),
@@ -40,6 +41,14 @@ def test_plan_round_trips_through_json():
 def test_bad_terapipe_section(section, message):
     with pytest.raises(ConfigError, match=message):
         TeraPipeConfig.from_section(section)
+
+
+@pytest.mark.parametrize("setting,on_cuda,on_cpu", [("auto", True, False), (True, True, True), (False, False, False)])
+def test_fused_rms_norm_is_on_with_cuda_by_default(setting, on_cuda, on_cpu):
+    """"auto" (the default) fuses the RMSNorms on CUDA only, where it was measured to pay; true / false force it."""
+    assert TeraPipeConfig.from_section({"seq_len": 16}).fused_rms_norm == "auto"
+    config = TeraPipeConfig.from_section({"seq_len": 16, "fused_rms_norm": setting})
+    assert (config.fuses_norms("cuda"), config.fuses_norms("cpu")) == (on_cuda, on_cpu)
 
 
 @pytest.mark.parametrize("ds_config,message", [

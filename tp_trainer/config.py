@@ -80,7 +80,10 @@ class TeraPipeConfig:
     microbatch's first slice, and the other layers' in B; without it all in B. Needs ZeRO stage 0, no activation
     checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
-    order (what the CPU tests check). Off by default until a GPU measures it in the engine."""
+    order (what the CPU tests check). Opt-in: on an H200 a whole 1-stage engine step of a Llama
+    7B-width pair at 8192 tokens took 87.0 ms in 8 slices captured against 123.4 ms eager (1 slice:
+    79.2 against 77.4; benchmarks/RESULTS.md), but stages joined by NCCL have not run captured on a
+    GPU, and the needs above rule out ZeRO-1 and checkpointed runs."""
 
     compile_blocks: object = None
     """A ``torch.compile`` backend ("inductor"; "aot_eager" runs ATen's kernels, exact in float64) for
@@ -88,16 +91,20 @@ class TeraPipeConfig:
     (model/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
     capture removes the host time the graph breaks cost; eagerly on 2 CPU cores it costs that time
     (benchmarks/host_overhead.py's GPT-2: 1063 against 766 us per block and slice). Needs no activation
-    checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default until a GPU measures it)."""
+    checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default). On an H200, with
+    cuda_graphs, the Llama pair's engine step above took 80.5 ms in 8 slices (72.7 in 1), and 80.7
+    (72.5) with the blocks not compiled but their RMSNorms fused (fused_rms_norm, the default on
+    CUDA): there the compile's gain is the norm's, which inductor fuses too."""
 
-    fused_rms_norm: bool = False
+    fused_rms_norm: object = "auto"
     """Run HF's RMSNorms (Llama, Mistral, Qwen2, Qwen3) through torch's fused kernels (model/fused_norm.py)
-    instead of HF's ~19 kernels and float32 copies of the activations. On
-    an H200 the Llama 7B-width pair at 8192 tokens, captured, ran 10% faster at 1 and 8 slices, 13% at
-    32 (benchmarks/RESULTS.md). The statistics stay float32, the weight is applied before the one
-    rounding to bf16 / fp16 (HF rounds once more: the fused result is the closer to float64); float64
-    keeps HF's forward. On a CPU torch runs it as a composite of ATen ops: no gain. Off by default
-    until a GPU measures it in the engine."""
+    instead of HF's ~19 kernels and float32 copies of the activations. "auto" (the default): on CUDA,
+    off elsewhere (on a CPU torch runs the op as a composite of ATen ops: no gain); true / false force
+    it. On an H200, Llama 7B-width pair at 8192 tokens: the captured blocks 8-10% faster at 1 and 8
+    slices, 12-13% at 32; a whole 1-stage engine step (blocks captured, bf16) 79.2 -> 72.5 ms at 1
+    slice, 87.0 -> 80.7 ms at 8 (benchmarks/RESULTS.md). The statistics stay float32, the weight is
+    applied before the one rounding to bf16 / fp16 (HF rounds once more: the fused result is the
+    closer to float64); float64 keeps HF's forward."""
 
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
@@ -148,6 +155,8 @@ class TeraPipeConfig:
             raise ConfigError(f"terapipe.share_halves: must be true or false, got {self.share_halves!r}")
         if not isinstance(self.split_blocks, bool):
             raise ConfigError(f"terapipe.split_blocks: must be true or false, got {self.split_blocks!r}")
+        if not (isinstance(self.fused_rms_norm, bool) or self.fused_rms_norm == "auto"):
+            raise ConfigError(f"terapipe.fused_rms_norm: must be true, false or \"auto\", got {self.fused_rms_norm!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"terapipe.cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.memory_limit_gib is not None:
@@ -197,6 +206,10 @@ class TeraPipeConfig:
     @property
     def auto(self) -> bool:
         return self.slices == "auto"
+
+    def fuses_norms(self, device_type: str) -> bool:
+        """Whether this run's RMSNorms take the fused kernels on a ``device_type`` ("cuda", "cpu", ...)."""
+        return self.fused_rms_norm is True or (self.fused_rms_norm == "auto" and device_type == "cuda")
 
     @classmethod
     def from_section(cls, section: dict | None) -> "TeraPipeConfig":

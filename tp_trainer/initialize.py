@@ -92,7 +92,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
              device=device, split=split)
     module = build_pipeline_module(model, stages, split=split)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
-    if terapipe.fused_rms_norm:   # before compile_blocks: the compiled blocks trace the fused forward
+    if terapipe.fuses_norms(get_accelerator().device_name()):   # before compile_blocks: the compiled blocks trace the fused forward
         fuse_rms_norms([module])
     if terapipe.compile_blocks:   # compiled lazily, at each block's first slice
         compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], terapipe.compile_blocks)
@@ -184,6 +184,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
-                terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config))
+                terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config),
+                fused_norm=terapipe.fuses_norms(get_accelerator().device_name()))
 
 

@@ -75,7 +75,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
                     split_blocks: bool = True, share_halves: bool = False, lora=None,
-                    dtype: str = "fp32") -> tuple[Layout, str]:
+                    dtype: str = "fp32", fused_norm: bool = False) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -87,7 +87,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     is leaned for the rest of the process (``memory.lean_heap``: freed tensors go back to the OS).
     ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``);
     ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``).
-    ``dtype``: the run's compute dtype ("fp32", "bf16", "fp16"), the one the parts are profiled in."""
+    ``dtype``: the run's compute dtype ("fp32", "bf16", "fp16"), the one the parts are profiled in;
+    ``fused_norm``: the parts' RMSNorms fused, as the run's (``terapipe.fused_rms_norm``)."""
     rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -99,7 +100,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     else:
         unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
-                                                   time_budget_s, device, unit_limit, split_blocks, dtype)
+                                                   time_budget_s, device, unit_limit, split_blocks, dtype, fused_norm)
     if not split_blocks:
         layers = layers.whole()
     if lora is not None and layers.memory is not None:  # adapter state, not full state
@@ -162,13 +163,13 @@ def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,
-             halves: bool = True, dtype: str = "fp32"):
+             halves: bool = True, dtype: str = "fp32", fused_norm: bool = False):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = rank_and_world()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
-                                          unit_limit, halves, TORCH_DTYPES[dtype])
+                                          unit_limit, halves, TORCH_DTYPES[dtype], fused_norm)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world

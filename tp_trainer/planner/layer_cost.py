@@ -304,13 +304,15 @@ def describe_layout(layout: Layout, layers: LayerCosts, analytic: StageSplit) ->
 
 # ------------------------------------------------------------------------------------ measuring
 
-def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
+def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True, fused_norm: bool = False):
     """({part: [callables]}, SliceContext) of a one-block model of ``config`` (random weights; the
-    global RNG is left as it was); ``halves``: the block as "attn" and "mlp" where the family allows."""
+    global RNG is left as it was); ``halves``: the block as "attn" and "mlp" where the family allows;
+    ``fused_norm``: its RMSNorms through torch's fused kernels, as the run's (``model.fused_norm``)."""
     from deepspeed.pipe import TiedLayerSpec
     from transformers import AutoModelForCausalLM
 
     from ..model.adapters import adapter_for
+    from ..model.fused_norm import fuse_rms_norms
     from ..model.halves import family_halves, half_spec
     from ..model.layers import SliceContext
     small = copy.deepcopy(config)
@@ -318,6 +320,8 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(small).to(device=device, dtype=dtype).train()
+    if fused_norm:
+        fuse_rms_norms([model])
     adapter = adapter_for(small)
     ctx = SliceContext(small._attn_implementation or "sdpa")
     tied, funcs, specs = {}, [], adapter.layer_specs(model, ctx)
@@ -338,14 +342,15 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True):
 def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time_budget_s: float = 60.0,
                    device="cpu", rank: int = 0, world: int = 1,
                    max_unit_bytes: float | None = None, halves: bool = True,
-                   dtype: torch.dtype = torch.float32) -> tuple[dict, tuple, tuple]:
+                   dtype: torch.dtype = torch.float32, fused_norm: bool = False) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
     with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``).
-    ``dtype``: the run's compute dtype, the probe's weights and activations (bf16 / fp16 time unlike fp32)."""
+    ``dtype``: the run's compute dtype, the probe's weights and activations (bf16 / fp16 time unlike fp32);
+    ``fused_norm``: the probe's RMSNorms fused, as the run's."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
-    parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves)
+    parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves, fused_norm=fused_norm)
     mask_pair = torch.empty(0, dtype=torch.float32).element_size()  # probe_parts' dtype: the masks' too
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()
