@@ -123,22 +123,30 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
+def block_sets(gpu: bool, names: str | None = None) -> dict:
+    """The slice step's block sets on a GPU (``cap.SETS``) or a CPU (``cap.CPU_SETS``): those of the
+    comma-separated ``names`` (``--sets``), all without; an unknown name stops with one error line."""
+    sets = cap.SETS if gpu else cap.CPU_SETS
+    if not names:
+        return sets
+    only = names.split(",")
+    if set(only) - set(sets):
+        raise SystemExit(f"error: --sets: unknown block set(s) {sorted(set(only) - set(sets))}; "
+                         f"choose from {', '.join(sets)}")
+    return {label: spec for label, spec in sets.items() if label in only}
+
+
 def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: float | None = None,
-        only: list[str] | None = None) -> dict:
+        sets: dict | None = None) -> dict:
     """The whole slice step; every part's failure is recorded with its traceback, not raised.
     ``compiled``: also the variants with the blocks compiled around their attention. ``deadline``
     (``past``): past it no block set, variant or engine starts; what was not run is listed in "not_run".
-    ``only``: the block sets to run (labels of ``cap.SETS`` / ``cap.CPU_SETS``); None: all."""
+    ``sets``: the block sets to run (``block_sets``); None: all of the device's."""
     def past_deadline() -> bool:
         return past(deadline)
 
     gpu = device.type == "cuda"
-    sets = cap.SETS if gpu else cap.CPU_SETS
-    if only is not None:
-        if set(only) - set(sets):
-            raise SystemExit(f"error: --sets: unknown block set(s) {sorted(set(only) - set(sets))}; "
-                             f"choose from {', '.join(sets)}")
-        sets = {label: spec for label, spec in sets.items() if label in only}
+    sets = block_sets(gpu) if sets is None else sets
     dtype = torch.bfloat16 if gpu else torch.float32
     counts = QUICK_COUNTS if quick else SLICE_COUNTS
     if not gpu:

@@ -268,6 +268,7 @@ def main(argv=None) -> dict:
     import _gpu_slices
     env = environment()
     gpu = args.device != "cpu" and gpu_missing(env) is None
+    sets = _gpu_slices.block_sets(gpu, args.sets)   # a bad --sets stops here, before anything is written
     sizes = dict(SIZES[args.sizes or ("full" if gpu else "small")])
     for key, value in (("budget_s", args.budget), ("seq_len", args.seq_len), ("max_slices", args.max_slices)):
         if value is not None:
@@ -281,7 +282,7 @@ def main(argv=None) -> dict:
         slices = _gpu_slices.run(torch.device(device), args.quick,
                                  lambda line: print(f"[gpu_check] slices: {line}", flush=True),
                                  keep=lambda partial: _keep(out_dir, "slices", partial), compiled=args.compile != "off",
-                                 deadline=deadline, only=args.sets.split(",") if args.sets else None)
+                                 deadline=deadline, sets=sets)
         _keep(out_dir, "slices", slices)
     not_asked = ("--no_engine_steps was given" if args.no_engine_steps else
                  None if "engine" in steps_asked else "not in --steps")

@@ -351,3 +351,17 @@ def test_engine_step_stops_at_a_failure_and_goes_on_from_it(tmp_path, monkeypatc
     names = [name for name, _, _ in _gpu_stage.variants("llama-w64", compiled=False)]
     assert rest["errors"] == first["errors"] and rest["not_run"] == [f"engine step, {n}" for n in names[1:]]
     assert json.loads((tmp_path / "stage.json").read_text()) == rest
+
+
+def test_an_unknown_block_set_stops_before_anything_is_written(tmp_path, capsys):
+    """``--sets`` names the slice step's block sets; an unknown one ends with one error line naming the
+    known ones, and no output folder or report is made."""
+    import gpu_check
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"^error: --sets: unknown block set\(s\) \['nope'\]; choose from "
+                                         r"gpt2-w64, llama-w64$"):
+        gpu_check.main(["--device", "cpu", "--quick", "--sets", "llama-w64,nope", "--out", str(out)])
+    assert not out.exists()
+    import _gpu_slices
+    assert list(_gpu_slices.block_sets(False, "llama-w64")) == ["llama-w64"]
+    assert list(_gpu_slices.block_sets(True)) == ["gpt2-medium", "llama-7b-pair"]
