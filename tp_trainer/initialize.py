@@ -92,7 +92,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
              device=device, split=split)
     module = build_pipeline_module(model, stages, split=split)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
-    if terapipe.fuses_norms(get_accelerator().device_name()):   # before compile_blocks: the compiled blocks trace the fused forward
+    # before compile_blocks: the compiled blocks trace the fused forward
+    if terapipe.fuses_norms(get_accelerator().device_name()):
         fuse_rms_norms([module])
     if terapipe.compile_blocks:   # compiled lazily, at each block's first slice
         compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], terapipe.compile_blocks)
