@@ -84,3 +84,23 @@ def test_the_planner_profiles_the_norms_the_run_runs():
                  for m in (f if isinstance(f, torch.nn.Module) else f.args[0]).modules() if fusable(m)]
         assert len(norms) == 3   # the block's two and the final one
         assert all(("forward" in vars(m) and vars(m)["forward"].args[0] is m) == fused for m in norms)
+
+
+def test_config_names_the_families_whose_norms_fuse():
+    """``config_has_fusable_norms`` (what a cost model records beside ``terapipe.fused_rms_norm``) agrees
+    with the modules ``fusable`` finds in the family's model."""
+    from transformers import (AutoModelForCausalLM, GPTNeoConfig, MistralConfig, OPTConfig, Qwen2Config,
+                              Qwen3Config)
+
+    from tp_trainer.model.fused_norm import config_has_fusable_norms
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=16, max_position_embeddings=16)
+    configs = [LlamaConfig(**small), MistralConfig(**small), Qwen2Config(**small), Qwen3Config(**small),
+               GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=16, n_positions=16),
+               GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=2, vocab_size=16, max_position_embeddings=16,
+                            attention_types=[[["global"], 1]]),
+               OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, vocab_size=16,
+                         max_position_embeddings=16, word_embed_proj_dim=16)]
+    found = {type(c).__name__: any(fusable(m) for m in AutoModelForCausalLM.from_config(c).modules()) for c in configs}
+    assert found == {type(c).__name__: config_has_fusable_norms(c) for c in configs}
+    assert sum(found.values()) == 4, found

@@ -214,7 +214,9 @@ def test_auto_slices_config(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     assert sum(plan["slices"]) == 1024 and all(s % 8 == 0 for s in plan["slices"])
     assert "uniform:" in (out / "plan.txt").read_text()
-    assert (out / "cost_model.json").is_file()  # a --resume plans from it: the same split and slices
+    meta = json.loads((out / "cost_model.json").read_text())["meta"]  # a --resume plans from it
+    assert {k: meta[k] for k in ("device", "dtype", "fused_norm")} == {"device": "cpu", "dtype": "fp32",
+                                                                       "fused_norm": False}, meta
 
 
 def test_auto_run_keeps_its_cost_model(tmp_path):

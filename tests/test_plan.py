@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from tp_trainer.config import ConfigError, TeraPipeConfig
@@ -49,6 +51,37 @@ def test_fused_rms_norm_is_on_with_cuda_by_default(setting, on_cuda, on_cpu):
     assert TeraPipeConfig.from_section({"seq_len": 16}).fused_rms_norm == "auto"
     config = TeraPipeConfig.from_section({"seq_len": 16, "fused_rms_norm": setting})
     assert (config.fuses_norms("cuda"), config.fuses_norms("cpu")) == (on_cuda, on_cpu)
+
+
+@pytest.mark.parametrize("family,written,fused_rms_norm,message", [
+    ("llama", {}, True, "was measured with HF's RMSNorms, this run computes with fused RMSNorms "
+                        "(terapipe.fused_rms_norm)"),
+    ("llama", {"fused_norm": True}, "auto", "was measured with fused RMSNorms (terapipe.fused_rms_norm), "
+                                            "this run computes with HF's RMSNorms"),
+    ("llama", {"device": "cuda", "dtype": "bf16"}, "auto", "was measured on cuda and in bf16, this run "
+                                                           "computes on cpu and in fp32"),
+    ("gpt2", {}, True, None),            # GPT-2 has no RMSNorm: fused_rms_norm changes nothing it runs
+    ("llama", {"fused_norm": True}, True, None),
+    ("llama", {}, "auto", None),         # a file from before the key: HF's norms, on a CPU, in fp32
+])
+def test_cost_model_must_be_measured_as_the_run_computes(tmp_path, family, written, fused_rms_norm, message):
+    """A cost model's times hold for the device, dtype and norms it was profiled with; a run that
+    computes otherwise is refused before any work, naming the settings (checks.read_cost_model)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from tp_trainer.checks import read_cost_model
+    from tp_trainer.planner.cost_model import PipelineCost, StageCost
+    model_config = (LlamaConfig(hidden_size=32, num_attention_heads=4) if family == "llama"
+                    else GPT2Config(n_embd=32, n_head=4))
+    path = str(tmp_path / "cost.json")
+    PipelineCost([StageCost([0.0] * 4, [0.0] * 4, hidden=32)], meta={"layers": {}, **written}).save(path)
+    terapipe = TeraPipeConfig.from_section({"seq_len": 16, "slices": "auto", "cost_model": path,
+                                            "fused_rms_norm": fused_rms_norm})
+    if message is None:
+        assert read_cost_model(terapipe, 1, model_config).meta["layers"] == {}
+    else:
+        with pytest.raises(ConfigError, match=re.escape(f"terapipe.cost_model: {path} {message}; delete it to profile")):
+            read_cost_model(terapipe, 1, model_config)
 
 
 @pytest.mark.parametrize("ds_config,message", [

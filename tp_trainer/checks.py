@@ -173,7 +173,7 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
-    cost = read_cost_model(terapipe, stages, getattr(model_config, "hidden_size", 0), compute_dtype_name(ds_config))
+    cost = read_cost_model(terapipe, stages, model_config, compute_dtype_name(ds_config))
     return PipelineSpec(ds_config, terapipe, stages, cost)
 
 
@@ -215,32 +215,52 @@ def check_precision(ds_config: dict) -> None:
                               f"use {other} here, or run this config on a GPU")
 
 
-def read_cost_model(terapipe: TeraPipeConfig, stages: int, hidden: int, dtype: str = "fp32"):
+def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: str = "fp32"):
     """With "auto", a cost-model file that exists is read here, once, and must describe this model's
-    stages in this run's compute dtype; returns it (None: none given, or not written yet: the run
-    profiles)."""
+    stages measured as this run computes (device, dtype, fused norms: ``planner.auto.measured_settings``);
+    returns it (None: none given, or not written yet: the run profiles)."""
     if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
         return None
+    from deepspeed.accelerator import get_accelerator
+
+    from .planner.auto import measured_settings
     from .planner.cost_model import PipelineCost
     try:
         cost = PipelineCost.load(terapipe.cost_model)
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} is not a cost model ({err}); "
                           f"delete it to profile again") from None
+    hidden = getattr(model_config, "hidden_size", 0)
     measured = (len(cost.stages), max(s.hidden for s in cost.stages))
     if measured != (stages, hidden):
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
-    if cost.meta.get("dtype", "fp32") != dtype:  # a cost model without the key was measured in fp32
-        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured in {cost.meta.get('dtype', 'fp32')}, "
-                          f"this run computes in {dtype}; delete it to profile again in {dtype}, or point to a cost "
-                          f"model measured in {dtype}")
+    device = get_accelerator().device_name()
+    run = measured_settings(device, dtype, terapipe.fuses_norms(device), model_config)
+    written = {key: cost.meta.get(key, UNRECORDED_SETTINGS[key]) for key in run}
+    differ = [key for key in run if written[key] != run[key]]
+    if differ:
+        then, now = (" and ".join(_setting_words(key, values[key]) for key in differ) for values in (written, run))
+        raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured {then}, this run computes "
+                          f"{now}; delete it to profile again, or point to a cost model measured {now}")
     if "layers" not in cost.meta:
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} holds per-stage costs only (written by an "
                           f"older tp_trainer); the planner now places layers by their measured costs: delete it "
                           f"to profile again")
     return cost
+
+
+# What a cost model without the key was measured with: files written before a setting was recorded
+# came from runs that had only this value (fp32 before precision, HF's norms before fused ones, CPUs).
+UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False}
+
+
+def _setting_words(key: str, value) -> str:
+    """A measured setting as the error message says it: "on cuda", "in bf16", "with fused RMSNorms"."""
+    if key == "fused_norm":
+        return "with fused RMSNorms (terapipe.fused_rms_norm)" if value else "with HF's RMSNorms"
+    return f"{'on' if key == 'device' else 'in'} {value}"
 
 
 # ---------------------------------------------------------------- checks that need the started run

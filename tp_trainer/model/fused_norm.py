@@ -33,6 +33,13 @@ def fusable(module: nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
+def config_has_fusable_norms(config) -> bool:
+    """Whether a model of ``config`` has RMSNorms ``fuse_rms_norms`` changes: HF names a family's norm
+    after its config (``LlamaConfig`` -> ``LlamaRMSNorm``)."""
+    family = type(config).__name__.removesuffix("Config")
+    return f"{family}RMSNorm" in FUSABLE
+
+
 def fused_rms_norm(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``module``'s forward through ``aten._fused_rms_norm``; HF's own in float64, or where the input's
     dtype is not the weight's (HF's result then takes the promoted dtype, the fused kernel's would not)."""

@@ -178,8 +178,17 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
     latency, per_byte = measure_p2p(config.hidden_size, seq_len, layers.block.bytes_per_element)
     meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
-            "torch_threads": torch.get_num_threads(), "world_size": world, "dtype": dtype}
+            "torch_threads": torch.get_num_threads(), "world_size": world,
+            **measured_settings(torch.device(device).type, dtype, fused_norm, config)}
     return layers, latency, per_byte, meta
+
+
+def measured_settings(device_type: str, dtype: str, fused_norm: bool, config) -> dict:
+    """What a cost model's times depend on beside the model: the device type, the compute dtype and
+    whether the RMSNorms ran fused (false where the family has none to fuse). Written into the cost
+    model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
+    from ..model.fused_norm import config_has_fusable_norms
+    return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config))}
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -118,14 +118,15 @@ def plan_layers(args, config, cost) -> None:
     print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
     from ..model.adapters import adapter_for
     from ..model.split import split_for_config
-    from .auto import _plan
+    from .auto import _plan, measured_settings
     from .layer_cost import LayerCosts, measure_layers
     if cost is None:
         sizes = [args.microbatch_size] if args.microbatch_size else [b for b in range(1, args.batch + 1)
                                                                       if args.batch % b == 0]
         parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget)
         layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
-        latency, per_byte, meta = *time_copy(config.hidden_size, args.seq_len), {"seq_len": args.seq_len}
+        latency, per_byte = time_copy(config.hidden_size, args.seq_len)
+        meta = {"seq_len": args.seq_len, **measured_settings("cpu", "fp32", False, config)}  # measure_layers' defaults
     else:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
                                            cost.p2p_per_byte, cost.meta)
