@@ -1,10 +1,13 @@
 """The GPU check's attention memory per slice (``_gpu_capture.measure_set`` reports it): what one
 layer's attention of a slice keeps for backward, and its forward's transient peak, against the
 slice's context, through the slice path (default kernel and flash) and through HF's SDPA with the
-slice's mask (what a masked slice would cost: quadratic in the context).
+slice's mask (what a masked slice would cost: quadratic in the context); and ``variant_peak``, the
+most memory a whole slice-step variant holds (the records' "peak_mib").
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -49,3 +52,25 @@ def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dty
             del result
         out["contexts"].append(c)
     return out
+
+
+@contextmanager
+def variant_peak(device):
+    """Yields a dict whose "mib" is set on exit: the most memory held inside the block above what was
+    held at its start. On CUDA the caching allocator's peak reserved bytes (CUDA graphs' private
+    pools, which the captures keep, included; the cache emptied first); elsewhere the
+    peak RSS (``tp_trainer.memory.transient_peak``: None where the kernel cannot reset it)."""
+    out = {"mib": None}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()   # what the cache holds from earlier work would hide this block's need
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_reserved()
+        yield out
+        torch.cuda.synchronize()
+        out["mib"] = (torch.cuda.max_memory_reserved() - start) / 2 ** 20
+        return
+    from tp_trainer.memory import transient_peak
+    with transient_peak() as peak:
+        yield out
+    out["mib"] = None if peak["bytes"] is None else peak["bytes"] / 2 ** 20

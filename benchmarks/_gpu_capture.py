@@ -17,7 +17,7 @@ slicing costs by itself). Times are device time from one event before the step t
 place in every mode. Per-slice forward / backward times of the captured runs feed the planner's
 cost fit and DP (``plan``) and a simulated pipeline (``simulate``).
 Also: the attention kernels a slice runs (profiler names), the attention's memory per slice against
-its context, and exactness against a float64 HF run.
+its context, each variant's peak memory ("peak_mib"), and exactness against a float64 HF run.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 from tp_trainer.model.slice_cache import TOKEN_MAJOR
 
-from _gpu_attention_memory import attention_bytes
+from _gpu_attention_memory import attention_bytes, variant_peak
 from _gpu_cost import uniform_offsets
 from _gpu_profile import failure_text, top_kernels
 
@@ -279,10 +279,11 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
         for slices in slice_counts:
             run = None
             try:
-                run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured, weights,
-                                compile_them, fused_norm, head_major)
-                ins, gs = run.split(x, gy)
-                ms = timed(lambda: run.step(ins, gs), repeats, device)
+                with variant_peak(device) as peak:   # activations, K/V, graph pools, merged W's joins
+                    run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured,
+                                    weights, compile_them, fused_norm, head_major)
+                    ins, gs = run.split(x, gy)
+                    ms = timed(lambda: run.step(ins, gs), repeats, device)
                 if mode_captured and (kernel == "cudnn" or compile_them or fused_norm):   # one list per run
                     # (W per sequence is split apart); the compiled and fused-norm variants' too: the
                     # engine's fastest GPU mode and its default on CUDA
@@ -298,7 +299,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
                             "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
-                            "fused_norm": fused_norm, "head_major": head_major, "ms": ms, "whole_hf_ms": whole_hf})
+                            "fused_norm": fused_norm, "head_major": head_major, "ms": ms, "whole_hf_ms": whole_hf,
+                            "peak_mib": peak["mib"]})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
                 f"{flags_label(compile_them, fused_norm, head_major)}) {slices} slices: {ms:.2f} ms "
                 f"(HF whole {whole_hf:.2f})")

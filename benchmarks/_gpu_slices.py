@@ -275,14 +275,15 @@ def engine_step_lines(step: dict) -> list[str]:
         return []
     lines = [f"Whole 1-stage engine step (embedding, blocks, head, loss, optimizer; `_gpu_stage.py`), "
              f"{step.get('model')}, seq {step.get('seq_len')}, {step.get('dtype')}: ms a step (wall, median), "
-             "then / the same blocks mode on 1 slice.", "", "| slices | " + " | ".join(
+             "then / the same blocks mode on 1 slice, then the engine's peak memory (MiB, as the slice step's).", "", "| slices | " + " | ".join(
                  f"blocks {mode}" for mode in ENGINE_BLOCKS) + " |", "|---|" + "---|" * len(ENGINE_BLOCKS)]
     whole = {r["blocks"]: r["ms"] for r in recs if r["slices"] == 1}
     for s in sorted({r["slices"] for r in recs}):
         cells = []
         for mode in ENGINE_BLOCKS:
             r = next((r for r in recs if r["slices"] == s and r["blocks"] == mode), None)
-            cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(whole.get(mode) and r['ms'] / whole[mode])}")
+            cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(whole.get(mode) and r['ms'] / whole[mode])}"
+                         f" / {_cell(r.get('peak_mib'), '{:.0f}')}")
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += [""] + [f"- weight gradients, blocks {mode}: {next(r['weight_grads'] for r in recs if r['blocks'] == mode)}"
                      for mode in ENGINE_BLOCKS if any(r["blocks"] == mode for r in recs)]
@@ -311,6 +312,20 @@ def _variant_name(record: dict) -> str:
         record.get("compiled", False), record.get("fused_norm", False), record.get("head_major", False))
 
 
+def peak_lines(by: dict, variants: list) -> list[str]:
+    """The table of each variant's peak memory (``variant_peak``) by slice count; none without figures."""
+    if not any(r.get("peak_mib") is not None for r in by.values()):
+        return []
+    counts = sorted({s for _, _, s in by})
+    lines = ["Peak memory of each variant above the block set's weights and inputs, MiB (CUDA: reserved by the "
+             "caching allocator, the captures' graph pools included; CPU: resident set):", "",
+             "| slices | " + " | ".join(f"{m} ({w})" for m, w in variants) + " |", "|---|" + "---|" * len(variants)]
+    for s in counts:
+        lines.append(f"| {s} | " + " | ".join(_cell((by.get((m, w, s)) or {}).get("peak_mib"), "{:.0f}")
+                                              for m, w in variants) + " |")
+    return lines + [""]
+
+
 def markdown(result: dict, device_name: str) -> str:
     """The report's section for the slice step."""
     lines = [f"## Slices on {device_name}: eager against captured ({result['dtype']})", "",
@@ -331,7 +346,7 @@ def markdown(result: dict, device_name: str) -> str:
                 r = by.get((m, w, s))
                 cells.append("-" if r is None else f"{r['ms']:.2f} / {_cell(r['whole_captured_ms'] and r['ms'] / r['whole_captured_ms'])} / {r['ms'] / r['whole_hf_ms']:.2f}")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += [""] + peak_lines(by, variants)
     lines += fold_lines(result) + engine_step_lines(result.get("engine_step") or {})
     for label, kernels in result["attention_kernels"].items():
         lines.append(f"Attention kernels, {label}: {kernels}")

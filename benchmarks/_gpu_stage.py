@@ -20,7 +20,8 @@ fresh process, adding to OUT_JSON.
 Weight gradients as the engine runs them by default (``defer_weight_grads``): scheduled W's with the
 blocks eager; with them captured, the blocks' once per sequence inside their graphs (``weight_grads``
 says which). Writes {"model", "seq_len", "dtype", "records": [{"slices", "blocks", "ms", "loss",
-"weight_grads"}], "errors", "not_run"}.
+"weight_grads", "peak_mib"}], "errors", "not_run"}; "peak_mib": the most memory the engine held, from
+its start to its last step (``_gpu_attention_memory.variant_peak``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
     fresh process."""
     from transformers import LlamaConfig
 
+    from _gpu_attention_memory import variant_peak
     from _gpu_capture import compile_backend
     from _gpu_profile import failure_text
     from tp_trainer.checkpoint import meta_model
@@ -115,7 +117,8 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
         with open(path, encoding="utf-8") as handle:
             out = json.load(handle)
     stop_at = None if seconds is None else time.monotonic() + seconds
-    backend = compile_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = compile_backend(device)
     for name, slices, blocks in variants(label, compiled)[start:]:
         captured, compile_them, fused_norm = BLOCKS[blocks]
         if stop_at is not None and time.monotonic() >= stop_at:
@@ -123,11 +126,12 @@ def measure(label: str, path: str, compiled: bool = True, seconds: float | None 
             continue
         try:
             ds = ds_config(seq_len, slices, captured, precision, backend if compile_them else None, fused_norm)
-            engine, *_ = initialize(meta_model(config), ds, seed=1)
-            ms, loss = timed_steps(engine, vocab, seq_len)
+            with variant_peak(device) as peak:   # the engine's weights, optimizer state and graph pools too
+                engine, *_ = initialize(meta_model(config), ds, seed=1)
+                ms, loss = timed_steps(engine, vocab, seq_len)
             out["records"].append({"slices": slices, "blocks": blocks, "ms": ms, "loss": loss,
                                    "weight_grads": engine.weight_grads_mode,
-                                   "compile_backend": backend if compile_them else None})
+                                   "compile_backend": backend if compile_them else None, "peak_mib": peak["mib"]})
             print(f"[gpu_check] engine step, {label} seq {seq_len}, {name}: {ms:.2f} ms (loss {loss:.4f})",
                   flush=True)
         except Exception as err:  # noqa: BLE001 -- the other variants still run (in a fresh process)

@@ -157,7 +157,7 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert {r["model"] for r in records} == {"gpt2-w64", "llama-w64"}
     for r in records:
         assert {"model", "seq_len", "slices", "mode", "ms", "whole_hf_ms", "whole_captured_ms",
-                "weight_grads", "attention"} <= set(r)
+                "weight_grads", "attention", "peak_mib"} <= set(r)
         assert r["mode"] == "eager" and r["ms"] > 0 and r["whole_hf_ms"] > 0
     assert not any(r["compiled"] for r in records)   # --compile off
     assert sorted({r["slices"] for r in records}) == [1, 2, 4, 8]
@@ -175,6 +175,7 @@ def test_slice_step_on_the_cpu(cpu_run):
     kinds = ("eager", "captured", "captured, fused norm")
     assert not step["errors"] and {(r["slices"], r["blocks"]) for r in step["records"]} == {
         (s, b) for s in (1, 4) for b in kinds}
+    assert all(r["peak_mib"] is None or r["peak_mib"] > 0 for r in step["records"] + records)   # variant_peak
     losses = {(r["slices"], r["blocks"]): r["loss"] for r in step["records"]}
     assert all(abs(losses[(s, b)] - losses[(s, "eager")]) <= 1e-6 * abs(losses[(s, "eager")])
                for s in (1, 4) for b in kinds)
@@ -277,6 +278,30 @@ def test_compiled_variants_on_the_cpu():
     result = {"dtype": "float32", "slice_cost": records, "attention_kernels": {}, "attention_bytes_per_slice": {},
               "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
     assert "| slices | eager (in B, cpu) | eager (in B, cpu, compiled) |" in _gpu_slices.markdown(result, "cpu")
+
+
+def test_each_variant_reports_its_peak_memory(monkeypatch):
+    """``variant_peak``: a block that holds 64 MiB reports at least that (on a CPU through the resident
+    set, where Linux lets it be reset); the records' "peak_mib" gets a table of its own in the report,
+    "-" where a variant has none."""
+    import _gpu_slices
+    import torch
+    from _gpu_attention_memory import variant_peak
+
+    from tp_trainer.memory import leaned, reset_hwm
+    if not reset_hwm():
+        pytest.skip("this kernel cannot reset the resident set's peak")
+    with leaned(), variant_peak(torch.device("cpu")) as peak:
+        held = torch.ones(16 * 2 ** 20)   # 64 MiB, touched
+        del held
+    assert peak["mib"] >= 60, peak
+    records = [{"model": "m", "seq_len": 8, "slices": s, "mode": "captured", "weight_grads": "W per sequence",
+                "attention": "cudnn", "ms": 1.0, "whole_hf_ms": 1.0, "whole_captured_ms": 1.0, "peak_mib": p}
+               for s, p in ((1, 1234.4), (8, None))]
+    result = {"dtype": "bfloat16", "slice_cost": records, "attention_kernels": {}, "attention_bytes_per_slice": {},
+              "exactness": {}, "plan": {}, "simulated": {}, "errors": {}}
+    text = _gpu_slices.markdown(result, "H200")
+    assert "Peak memory of each variant" in text and "| 1 | 1234 |" in text and "| 8 | - |" in text
 
 
 def test_slice_exactness_can_fail(monkeypatch):
