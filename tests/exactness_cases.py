@@ -61,6 +61,10 @@ def cases(world: int) -> list[dict]:
         # it on stage 0, the others on stage 1
         out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8, half=half)
                 for half in ("attn", "mlp") for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]
+        # the same splits with the blocks captured (halves and shared halves in the captured units, as a
+        # "slices": "auto" plan with cuda_graphs may cut them)
+        out += [_case(stages, 3, "uneven", tied, schedule, cut=True, shared=8, half=half, graphs=True, zb=zb)
+                for half, tied, schedule, zb in (("attn", True, "1f1b", True), ("mlp", False, "gpipe", False))]
     return out
 
 

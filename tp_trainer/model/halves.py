@@ -56,7 +56,7 @@ class AttentionHalf(DecoderBlock):
     """hidden + attn(norm_1(hidden)) on one slice: (b, l, h) -> (b, l, h). ``inner``: Children
     (norm_1, attn); options as ``DecoderBlock`` (window, rotary, position ids, cache keyword)."""
 
-    def forward(self, hidden):
+    def run_slice(self, hidden):
         norm, attn = self.inner.children()
         out = attn(norm(hidden), use_cache=False, **self.attention_kwargs(hidden))
         return (out[0] if isinstance(out, tuple) else out) + hidden
@@ -65,7 +65,7 @@ class AttentionHalf(DecoderBlock):
 class MLPHalf(DecoderBlock):
     """hidden + mlp(norm_2(hidden)): (b, l, h) -> (b, l, h), per token (no context, no cache)."""
 
-    def forward(self, hidden):
+    def run_slice(self, hidden):
         norm, mlp = self.inner.children()
         return hidden + mlp(norm(hidden))
 

@@ -85,9 +85,9 @@ class SharedAttention(AttentionHalf):
                              f"{ctx.attn_implementation!r}); use a split without a shared half")
         self.front, self.after = front, after
 
-    def forward(self, hidden):
+    def run_slice(self, hidden):
         if runs_here(self):
-            return super().forward(hidden)
+            return super().run_slice(hidden)
         return self._keys_only(hidden) if self.front else hidden
 
     def _keys_only(self, hidden):
@@ -96,7 +96,7 @@ class SharedAttention(AttentionHalf):
         ctx, plain = self.ctx, self.ctx.cache
         ctx.cache, ctx.keys_only = _KeysOnlyCache(plain), True
         try:
-            super().forward(hidden)
+            super().run_slice(hidden)
             (layer_idx, (key, value)), = ctx.cache.caught.items()
         finally:
             ctx.cache, ctx.keys_only = plain, False

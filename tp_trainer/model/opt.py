@@ -47,7 +47,7 @@ class OPTAttentionHalf(AttentionHalf):
     """hidden + dropout(self_attn(norm(hidden))) (pre-norm), or norm(hidden + dropout(self_attn(hidden)))
     with ``do_layer_norm_before`` False (opt-350m): (b, l, h) -> (b, l, h)."""
 
-    def forward(self, hidden):
+    def run_slice(self, hidden):
         layer, block = self.inner, self.inner.block
         x = layer.self_attn_layer_norm(hidden) if block.do_layer_norm_before else hidden
         x, _ = layer.self_attn(hidden_states=x, **self.attention_kwargs(hidden))
@@ -58,7 +58,7 @@ class OPTAttentionHalf(AttentionHalf):
 class OPTMLPHalf(MLPHalf):
     """hidden + dropout(fc2(act(fc1(norm(hidden))))) per token, or the post-norm order: (b, l, h) -> (b, l, h)."""
 
-    def forward(self, hidden):
+    def run_slice(self, hidden):
         layer, block = self.inner, self.inner.block
         shape = hidden.shape
         residual = hidden.reshape(-1, shape[-1])  # as OPTDecoderLayer: the MLP on (tokens, h)
