@@ -60,6 +60,8 @@ def test_fused_rms_norm_is_on_with_cuda_by_default(setting, on_cuda, on_cpu):
                                             "this run computes with HF's RMSNorms"),
     ("llama", {"device": "cuda", "dtype": "bf16"}, "auto", "was measured on cuda and in bf16, this run "
                                                            "computes on cpu and in fp32"),
+    ("gpt2", {"cuda_graphs": True}, False, "was measured with captured blocks (terapipe.cuda_graphs), this "
+                                           "run computes with eager blocks"),
     ("gpt2", {}, True, None),            # GPT-2 has no RMSNorm: fused_rms_norm changes nothing it runs
     ("llama", {"fused_norm": True}, True, None),
     ("llama", {}, "auto", None),         # a file from before the key: HF's norms, on a CPU, in fp32

@@ -229,6 +229,36 @@ def test_profile_real_layers_leaves_model_unchanged():
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 
+def test_captured_blocks_are_profiled_from_one_capture_per_point(monkeypatch):
+    """``captured`` (a run with ``terapipe.cuda_graphs``): each grid point is one ``UnitGraphs`` over the
+    blocks (captured on CUDA, unit by unit here), replayed for its warm-up and repeats at the point's
+    slice and context, weight gradients in its backward (no W column); the model left as found."""
+    from tp_trainer.model import capture
+    from tp_trainer.model.layers import DecoderBlock
+    from tp_trainer.planner.cli import stage_layers
+    from tp_trainer.planner.cost_model import weight_grad_fit
+    from tp_trainer.planner.profile import profile_stage
+    model = tiny_gpt2()
+    layers, ctx = stage_layers(model, 2)
+    blocks = [f for f in layers[0] if isinstance(f, DecoderBlock)]
+    made, spans = [], []
+
+    class Counted(capture.UnitGraphs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(capture, "UnitGraphs", Counted)
+    begin = ctx.begin
+    monkeypatch.setattr(ctx, "begin", lambda kv, start, length: (spans.append((start, length)), begin(kv, start, length)))
+    stage = profile_stage(blocks, ctx, 32, 64, (1, 2), time_budget_s=1.0, warmup=1, repeats=2, progress=False,
+                          captured=True)
+    points = [tuple(int(v) for v in row[:3]) for row in stage.samples]
+    assert len(points) >= len(FEATURES) and len(made) == len(points) and all(len(r) == 5 for r in stage.samples)
+    assert weight_grad_fit(stage) is None and stage.total(1, 8, 56) > 0
+    assert {(c, l) for _, l, c in points} <= set(spans)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_cli_plans_from_a_cost_model(tmp_path, capsys):
     from tp_trainer.planner.cli import main
     cost = proportional_cost()
@@ -255,3 +285,26 @@ def test_cli_runs_as_the_planner_package_and_the_old_command_names_it(tmp_path):
     assert "planner time" in done.stdout and "uniform:4" in done.stdout
     old = subprocess.run([sys.executable, "-m", "tp_trainer.plan"], capture_output=True, text=True, timeout=300)
     assert old.returncode == 1 and "python -m tp_trainer.planner" in old.stderr
+
+
+def test_cli_profiles_any_family_with_the_runs_settings(tmp_path, capsys):
+    """``--model`` a Llama checkpoint directory: its own config class (not GPT-2's); ``--profile
+    --layers`` with the run's settings (norms fused, blocks captured) profiles them and records them in
+    the cost model it saves; a whole-stage profile (GPT-2 only) stops with one line naming --layers."""
+    from transformers import LlamaConfig
+
+    from tp_trainer.planner.cli import main
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64, max_position_embeddings=64).save_pretrained(tmp_path / "ckpt")
+    args = ["--model", str(tmp_path / "ckpt"), "--seq_len", "64", "--stages", "2", "--profile"]
+    main([*args, "--layers", "--time_budget", "2", "--fused_rms_norm", "true", "--cuda_graphs",
+          "--save_cost_model", str(tmp_path / "cost.json")])
+    assert "predicted iteration" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "cost.json").read_text())["meta"]
+    assert {k: meta[k] for k in ("device", "dtype", "fused_norm", "cuda_graphs")} == {
+        "device": "cpu", "dtype": "fp32", "fused_norm": True, "cuda_graphs": True}
+    assert {"attn", "mlp"} <= set(meta["layers"]) and meta["layers"]["blocks"] == 2
+    assert len(meta["layers"]["attn"]["samples"][0]) == 5   # captured: weight gradients in B, no W column
+    with pytest.raises(SystemExit, match="--profile: whole stages are profiled for GPT-2 models only, --model .* is "
+                                         "'llama'; add --layers"):
+        main(args)

@@ -217,7 +217,8 @@ def check_precision(ds_config: dict) -> None:
 
 def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: str = "fp32"):
     """With "auto", a cost-model file that exists is read here, once, and must describe this model's
-    stages measured as this run computes (device, dtype, fused norms: ``planner.auto.measured_settings``);
+    stages measured as this run computes (device, dtype, fused norms, captured blocks:
+    ``planner.auto.measured_settings``);
     returns it (None: none given, or not written yet: the run profiles)."""
     if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
         return None
@@ -237,7 +238,7 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: 
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
     device = get_accelerator().device_name()
-    run = measured_settings(device, dtype, terapipe.fuses_norms(device), model_config)
+    run = measured_settings(device, dtype, terapipe.fuses_norms(device), model_config, terapipe.cuda_graphs)
     written = {key: cost.meta.get(key, UNRECORDED_SETTINGS[key]) for key in run}
     differ = [key for key in run if written[key] != run[key]]
     if differ:
@@ -252,14 +253,17 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: 
 
 
 # What a cost model without the key was measured with: files written before a setting was recorded
-# came from runs that had only this value (fp32 before precision, HF's norms before fused ones, CPUs).
-UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False}
+# came from runs that had only this value (fp32 before precision, HF's norms before fused ones, eager
+# profiles before captured ones, CPUs).
+UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False, "cuda_graphs": False}
 
 
 def _setting_words(key: str, value) -> str:
-    """A measured setting as the error message says it: "on cuda", "in bf16", "with fused RMSNorms"."""
+    """A measured setting as the error message says it: "on cuda", "in bf16", "with fused RMSNorms", ..."""
     if key == "fused_norm":
         return "with fused RMSNorms (terapipe.fused_rms_norm)" if value else "with HF's RMSNorms"
+    if key == "cuda_graphs":
+        return "with captured blocks (terapipe.cuda_graphs)" if value else "with eager blocks"
     return f"{'on' if key == 'device' else 'in'} {value}"
 
 

@@ -80,7 +80,8 @@ class TeraPipeConfig:
     microbatch's first slice, and the other layers' in B; without it all in B. Needs ZeRO stage 0, no activation
     checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
-    order (what the CPU tests check). Opt-in: on an H200 a whole 1-stage engine step of a Llama
+    order (what the CPU tests check). With "slices": "auto" the planner times the blocks replayed from
+    captured graphs too (planner/profile.py, ``StageRunner.captured_run``). Opt-in: on an H200 a whole 1-stage engine step of a Llama
     7B-width pair at 8192 tokens took 87.0 ms in 8 slices captured against 123.4 ms eager (1 slice:
     79.2 against 77.4; benchmarks/RESULTS.md), but stages joined by NCCL have not run captured on a
     GPU, and the needs above rule out ZeRO-1 and checkpointed runs."""

@@ -186,6 +186,6 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
                 terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config),
-                fused_norm=terapipe.fuses_norms(get_accelerator().device_name()))
+                fused_norm=terapipe.fuses_norms(get_accelerator().device_name()), captured=terapipe.cuda_graphs)
 
 

@@ -80,12 +80,13 @@ class UnitGraphs:
     the input shape of unit (m, j); ``seq_len`` the tokens of one sequence (the K/V buffers' length).
     ``capture``: capture CUDA graphs (default: on a CUDA device); False runs every unit eagerly.
     ``end_backward(kv, m, j)``: run after the unit's backward, inside its graph (e.g. deferred weight
-    gradients flushed there: ``weight_grad.DeferredWeightGrads``).
+    gradients flushed there: ``weight_grad.DeferredWeightGrads``). ``kv_type``: the K/V buffers' class
+    (the planner's profile fills the context of a slice it times alone: ``profile._FilledKV``).
     """
 
     def __init__(self, run_forward: Callable, begin_backward: Callable, order: list[Unit], shapes,
                  seq_len: int, params: list[torch.nn.Parameter], device, dtype, warmup: int = 3,
-                 capture: bool | None = None, end_backward: Callable | None = None):
+                 capture: bool | None = None, end_backward: Callable | None = None, kv_type: type = SequenceKV):
         self.run_forward, self.begin_backward = run_forward, begin_backward
         self.end_backward = end_backward
         self.order, self.seq_len = list(order), seq_len
@@ -96,7 +97,8 @@ class UnitGraphs:
                        for m, row in enumerate(shapes) for j, shape in enumerate(row)}
         self.grad_outputs = {unit: torch.zeros_like(x, requires_grad=False) for unit, x in self.inputs.items()}
         self.outputs: dict = {}
-        self.kv = {m: SequenceKV(seq_len) for m in range(len(shapes))}
+        self.kv_type = kv_type
+        self.kv = {m: kv_type(seq_len) for m in range(len(shapes))}
         self.graphs: dict = {}
         self.cursor = 0
         for p in self.params:
@@ -117,7 +119,7 @@ class UnitGraphs:
 
     def _eager_round(self) -> None:
         """One step of every unit, eagerly, on throw-away inputs and K/V (warm-up before capture)."""
-        kv = {m: SequenceKV(self.seq_len) for m in self.kv}
+        kv = {m: self.kv_type(self.seq_len) for m in self.kv}
         inputs = {unit: torch.randn_like(x).requires_grad_() for unit, x in self.inputs.items()}
         outs = {}
         for kind, m, j in self.order:
@@ -180,7 +182,7 @@ class UnitGraphs:
         self._next(("F", m, j))
         if not self.captured:   # eager: a fresh leaf per step, the K/V of microbatch m anew at slice 0
             if j == 0:
-                self.kv[m] = SequenceKV(self.seq_len)
+                self.kv[m] = self.kv_type(self.seq_len)
             self.inputs[(m, j)] = leaf = x.detach().requires_grad_()
             self.outputs[(m, j)] = self._run("F", m, j, leaf)
             return self.outputs[(m, j)]

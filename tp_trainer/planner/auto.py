@@ -75,7 +75,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
                     split_blocks: bool = True, share_halves: bool = False, lora=None,
-                    dtype: str = "fp32", fused_norm: bool = False) -> tuple[Layout, str]:
+                    dtype: str = "fp32", fused_norm: bool = False, captured: bool = False) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -88,7 +88,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     ``split_blocks``: a boundary may cut a block between attention and MLP (``model.halves``);
     ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``).
     ``dtype``: the run's compute dtype ("fp32", "bf16", "fp16"), the one the parts are profiled in;
-    ``fused_norm``: the parts' RMSNorms fused, as the run's (``terapipe.fused_rms_norm``)."""
+    ``fused_norm``: the parts' RMSNorms fused, as the run's (``terapipe.fused_rms_norm``); ``captured``:
+    the block's parts timed from CUDA graphs, as the run's (``terapipe.cuda_graphs``)."""
     rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -100,7 +101,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     else:
         unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
-                                                   time_budget_s, device, unit_limit, split_blocks, dtype, fused_norm)
+                                                   time_budget_s, device, unit_limit, split_blocks, dtype, fused_norm,
+                                                   captured)
     if not split_blocks:
         layers = layers.whole()
     if lora is not None and layers.memory is not None:  # adapter state, not full state
@@ -163,13 +165,13 @@ def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,
-             halves: bool = True, dtype: str = "fp32", fused_norm: bool = False):
+             halves: bool = True, dtype: str = "fp32", fused_norm: bool = False, captured: bool = False):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = rank_and_world()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
-                                          unit_limit, halves, TORCH_DTYPES[dtype], fused_norm)
+                                          unit_limit, halves, TORCH_DTYPES[dtype], fused_norm, captured)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -179,16 +181,18 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     latency, per_byte = measure_p2p(config.hidden_size, seq_len, layers.block.bytes_per_element)
     meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
             "torch_threads": torch.get_num_threads(), "world_size": world,
-            **measured_settings(torch.device(device).type, dtype, fused_norm, config)}
+            **measured_settings(torch.device(device).type, dtype, fused_norm, config, captured)}
     return layers, latency, per_byte, meta
 
 
-def measured_settings(device_type: str, dtype: str, fused_norm: bool, config) -> dict:
-    """What a cost model's times depend on beside the model: the device type, the compute dtype and
-    whether the RMSNorms ran fused (false where the family has none to fuse). Written into the cost
-    model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
+def measured_settings(device_type: str, dtype: str, fused_norm: bool, config, captured: bool = False) -> dict:
+    """What a cost model's times depend on beside the model: the device type, the compute dtype,
+    whether the RMSNorms ran fused (false where the family has none to fuse) and whether the blocks
+    ran from CUDA graphs. Written into the cost model's meta; a run reading it
+    (``checks.read_cost_model``) compares its own."""
     from ..model.fused_norm import config_has_fusable_norms
-    return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config))}
+    return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config)),
+            "cuda_graphs": bool(captured)}
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

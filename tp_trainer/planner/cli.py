@@ -6,9 +6,15 @@
 
 ``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
 shapes, not the weights), or a preset of tp_trainer/model/presets.py (``tiny`` = ``gpt2-tiny``).
-``--profile`` measures every stage here, one after the other, in this process; with ``--layers`` the
-prefix, one block and the suffix instead, and the stages are placed by measured cost (as ``"slices":
-"auto"`` does); ``--memory_limit_gib`` also picks order and checkpointing under a per-rank limit.
+``--profile`` measures every stage here, one after the other, in this process (GPT-2 family); with
+``--layers`` (any family) the prefix, one block and the suffix instead, and the stages are placed by
+measured cost (as ``"slices": "auto"`` does), on ``--device`` in ``--dtype``, the norms and blocks as
+``--fused_rms_norm`` and ``--cuda_graphs`` say (the run's settings: a cost model records them, and
+a run that computes otherwise refuses it); ``--memory_limit_gib`` also picks order and checkpointing
+under a per-rank limit.
+
+    python -m tp_trainer.planner --model ckpt/ --seq_len 8192 --stages 2 --profile --layers \
+        --device cuda --dtype bf16 --cuda_graphs --save_cost_model runs/cost.json
 """
 
 from __future__ import annotations
@@ -20,17 +26,17 @@ from functools import partial
 
 import torch
 
-from .auto import save_plan
+from .auto import TORCH_DTYPES, save_plan
 from .cost_model import PipelineCost
 from .profile import profile_stage, time_copy
 from .report import make_plan, report
 
 
 def model_config(spec: str):
-    """A GPT2Config from a preset name (tp_trainer/model/presets.py; "tiny" = gpt2-tiny with the
-    embedded tokenizer's 8192 tokens, GPT-2 presets with GPT-2's 50257), a checkpoint directory or a
-    config.json path."""
-    from transformers import GPT2Config
+    """The model's config: a preset name (tp_trainer/model/presets.py; "tiny" = gpt2-tiny with the
+    embedded tokenizer's 8192 tokens, GPT-2 presets with GPT-2's 50257), or a checkpoint directory or
+    config.json path of any family (its own config class, by ``model_type``)."""
+    from transformers import AutoConfig
 
     from ..model.presets import PRESETS, preset_config
     name = "gpt2-tiny" if spec == "tiny" else spec
@@ -40,7 +46,7 @@ def model_config(spec: str):
     if not os.path.isfile(path):
         raise SystemExit(f"--model: {spec!r} is neither a preset ({', '.join(PRESETS)}), a config.json nor a "
                          f"checkpoint directory holding config.json")
-    return GPT2Config.from_json_file(path)
+    return AutoConfig.from_pretrained(path)
 
 
 def stage_layers(model, stages: int):
@@ -110,6 +116,13 @@ def parse_args(argv=None):
                         "always planned that way")
     p.add_argument("--memory_limit_gib", type=float, default=None,
                    help="also choose order and checkpointing under this per-rank limit (needs per-layer costs)")
+    run = p.add_argument_group("the run's settings, with --profile --layers (a cost model records them)")
+    run.add_argument("--device", default="cpu", help="where to profile: cpu, cuda, cuda:1, ...")
+    run.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="fp32", help="the run's compute dtype")
+    run.add_argument("--fused_rms_norm", choices=("auto", "true", "false"), default="auto",
+                     help="as terapipe.fused_rms_norm: auto fuses Llama-style RMSNorms on CUDA")
+    run.add_argument("--cuda_graphs", action="store_true",
+                     help="as terapipe.cuda_graphs: time the blocks replayed from captured graphs")
     return p.parse_args(argv)
 
 
@@ -123,10 +136,14 @@ def plan_layers(args, config, cost) -> None:
     if cost is None:
         sizes = [args.microbatch_size] if args.microbatch_size else [b for b in range(1, args.batch + 1)
                                                                       if args.batch % b == 0]
-        parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget)
+        device = torch.device(args.device)
+        fused = args.fused_rms_norm == "true" or (args.fused_rms_norm == "auto" and device.type == "cuda")
+        parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget,
+                                               device, dtype=TORCH_DTYPES[args.dtype], fused_norm=fused,
+                                               captured=args.cuda_graphs)
         layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
-        latency, per_byte = time_copy(config.hidden_size, args.seq_len)
-        meta = {"seq_len": args.seq_len, **measured_settings("cpu", "fp32", False, config)}  # measure_layers' defaults
+        latency, per_byte = time_copy(config.hidden_size, args.seq_len, layers.block.bytes_per_element, device)
+        meta = {"seq_len": args.seq_len, **measured_settings(device.type, args.dtype, fused, config, args.cuda_graphs)}
     else:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
                                            cost.p2p_per_byte, cost.meta)
@@ -146,14 +163,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    config = model_config(args.model)
     if args.layers or args.memory_limit_gib is not None or (args.cost_model and "layers" in
                                                              PipelineCost.load(args.cost_model).meta):
-        config = model_config(args.model)
         plan_layers(args, config, None if args.profile else PipelineCost.load(args.cost_model))
         sys.stdout.flush()
         return
     if args.profile:
-        config = model_config(args.model)
+        if config.model_type != "gpt2":
+            raise SystemExit(f"--profile: whole stages are profiled for GPT-2 models only, --model {args.model} is "
+                             f"{config.model_type!r}; add --layers (any family)")
         if args.seq_len > config.n_positions:
             raise SystemExit(f"--seq_len {args.seq_len} exceeds the model's {config.n_positions} positions")
         sizes = [args.microbatch_size] if args.microbatch_size else range(1, args.batch + 1)

@@ -75,6 +75,7 @@ class StageRunner:
         self.kv: dict[int, SequenceKV] = {}
         self.weight_grads: DeferredWeightGrads | None = None  # set: backward = B, then W timed apart
         self.last_weight_s = 0.0  # W seconds of the last run (included in its backward)
+        self.unit = None   # with ``captured_run``: the point's UnitGraphs, its key and its input / gradient
 
     def unit_input(self, b: int, l: int):
         """A random input of b x l tokens: token ids (b, l) on the first stage, else an activation
@@ -113,6 +114,48 @@ class StageRunner:
             _sync(self.device)
             self.last_weight_s = time.perf_counter() - t2
         return t1 - t0, time.perf_counter() - t1
+
+
+    def captured_run(self, b: int, l: int, c: int) -> tuple[float, float]:
+        """(forward s, backward s) of one unit as ``terapipe.cuda_graphs`` runs the decoder blocks: its
+        forward and backward (weight gradients in it) replayed from CUDA graphs captured at the point's
+        first run and kept for its repeats (``model.capture.UnitGraphs``; without CUDA the same object
+        runs the unit eagerly). Each replay starts with the copy of its input (its gradient) into the
+        static tensor, as the engine's does. ``close_unit`` releases the graphs."""
+        if self.unit is None or self.unit[0] != (b, l, c):
+            from ..model.capture import UnitGraphs, layer_callbacks
+            self.close_unit()
+            run_forward, begin_backward, _ = layer_callbacks(self.funcs, self.ctx, [(c, l)])
+            saved = self.ctx.state()
+            try:
+                graphs = UnitGraphs(run_forward, begin_backward, [("F", 0, 0), ("B", 0, 0)],
+                                    [[(b, l, self.hidden)]], self.seq_len, self.params, self.device, self.dtype,
+                                    kv_type=_FilledKV)
+            finally:
+                self.ctx.restore(saved)
+            x = self.unit_input(b, l).detach()
+            self.unit = ((b, l, c), graphs, x, torch.randn_like(x))
+        _, graphs, x, grad = self.unit
+        saved = self.ctx.state()
+        try:
+            _sync(self.device)
+            t0 = time.perf_counter()
+            graphs.forward(0, 0, x)
+            _sync(self.device)
+            t1 = time.perf_counter()
+            graphs.backward(0, 0, grad)
+            _sync(self.device)
+        finally:
+            self.ctx.restore(saved)
+        return t1 - t0, time.perf_counter() - t1
+
+    def close_unit(self) -> None:
+        """Release ``captured_run``'s graphs, their memory pool and K/V."""
+        if self.unit is not None:
+            self.unit[1].close()
+            self.unit = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()   # a released graph pool's memory, for the next point's
 
 
 def _parameters(func):
@@ -174,7 +217,7 @@ def within(points: list, footprint, max_bytes: float | None, least: int) -> list
 def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_sizes=(1,),
                   granularity: int = 8, time_budget_s: float = 60.0, warmup: int = 1, repeats: int = 3,
                   progress: bool = True, desc: str = "profile", footprint=None,
-                  max_bytes: float | None = None) -> StageCost:
+                  max_bytes: float | None = None, captured: bool = False) -> StageCost:
     """Measure a stage's layers over the grid and fit its ``StageCost``.
 
     Leaves the layers as found: gradients that were None are reset, the RNG state is restored.
@@ -182,11 +225,16 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     ``footprint(b, l, c)`` (predicted bytes of a point) with ``max_bytes``: the points over it are
     skipped (a memory limit: the profile must not be the run's peak), keeping the len(FEATURES) + 3
     smallest at least, and the prediction is scaled by the points measured so far (``Footprint``);
-    the fit prices the longer slices from the shorter ones.
+    the fit prices the longer slices from the shorter ones. ``captured``: the layers are decoder blocks
+    of a run with ``terapipe.cuda_graphs``: each point is timed replayed from its own captured graphs
+    (``StageRunner.captured_run``), weight gradients in the backward, as those runs make them (no W
+    column: the captured blocks have no W instruction).
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
-    runner.weight_grads = DeferredWeightGrads()  # backward timed as B + W, W also alone (6th column)
-    deferred = defer_stage(runner.funcs, runner.weight_grads)
+    run = runner.captured_run if captured else runner.run
+    if not captured:
+        runner.weight_grads = DeferredWeightGrads()  # backward timed as B + W, W also alone (6th column)
+    deferred = defer_stage(runner.funcs, runner.weight_grads) if not captured else []
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     rng_state = torch.random.get_rng_state()
     least = len(FEATURES) + 3
@@ -203,13 +251,15 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
                 continue  # over the guard, and enough later points remain to fit on
             with guard.watch(b, l, c) if guard is not None else contextlib.nullcontext():
                 for _ in range(warmup):
-                    runner.run(b, l, c)
-                runs = [(*runner.run(b, l, c), runner.last_weight_s) for _ in range(repeats)]
-            rows.append([b, l, c, *(statistics.median(r[k] for r in runs) for k in range(3))])
+                    run(b, l, c)
+                runs = [(*run(b, l, c), runner.last_weight_s) for _ in range(repeats)]
+            runner.close_unit()
+            rows.append([b, l, c, *(statistics.median(r[k] for r in runs) for k in range(2 if captured else 3))])
             bar.update(1)
         step = time_step(runner.params)
     finally:
         bar.close()
+        runner.close_unit()
         restore(deferred)
         for p in runner.params:
             if id(p) not in had_grad:
