@@ -26,6 +26,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      1..64 slices against the plain HF blocks; 5. the analytic device model of
      benchmarks/paper_sim.py fitted to step 4, and the paper-scale table rerun with it.
   multi   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048.
+  autoplan  (only when named in --steps) the planner's command on the Llama pair, 2 stages, batch 1,
+     profiling the blocks eager and captured (``_gpu_autoplan.py``; ``--budget`` seconds of profile
+     each, default 30 on a GPU): the plans "slices": "auto" makes here; DIR/autoplan.{md,json}.
 The engine and multi-GPU steps need CUDA; without it they are reported as skipped. ``--deadline S``
 (for a timed lease; counted from this script's start, after gpu_check.sh's setup: e.g. 360 under a
 600 s limit): after S seconds no block set, variant, engine or step starts; the report lists what was
@@ -77,7 +80,8 @@ def parse_args(argv=None):
                    help="skip steps 1-3 (reported as skipped): calibration only, e.g. to rerun it on a lent GPU")
     p.add_argument("--steps", default="engine,slices,calibration,multi",
                    help="comma-separated steps to run: engine (1-3), slices (eager vs captured, _gpu_slices.py), "
-                        "calibration (4-5), multi (2+ GPUs); the others are reported as skipped")
+                        "calibration (4-5), multi (2+ GPUs), autoplan (the planner, _gpu_autoplan.py); the others "
+                        "are reported as skipped")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after which no measurement starts (what is left is listed as not run); the "
                         "report is still written")
@@ -259,10 +263,10 @@ def _peak(env: dict, device: str, dtype) -> tuple[float, str]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     steps_asked = set(("slices",) if args.quick else args.steps.split(","))
-    unknown = steps_asked - {"engine", "slices", "calibration", "multi"}
+    unknown = steps_asked - {"engine", "slices", "calibration", "multi", "autoplan"}
     if unknown:
         raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from engine, slices, "
-                         "calibration, multi")
+                         "calibration, multi, autoplan")
     start = time.perf_counter()
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     import _gpu_slices
@@ -301,6 +305,11 @@ def main(argv=None) -> dict:
     why = not_run("multi")
     multi = (multi_gpu(env, args.device, out_dir) if why is None else
              [{"name": MULTI_NAME, "status": "skipped", "why": why}])
+    if not_run("autoplan") is None:
+        import _gpu_autoplan
+        planned = _gpu_autoplan.run(gpu, out_dir, args.budget or (30.0 if gpu else 3.0),
+                                    lambda line: print(f"[gpu_check] autoplan: {line}", flush=True))
+        _gpu_autoplan.write(out_dir, planned, env["device_name"])
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
     for name in ("steps1to3", "step4", "slices"):
         if os.path.exists(os.path.join(out_dir, f"partial_{name}.json")):

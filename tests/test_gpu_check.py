@@ -390,3 +390,18 @@ def test_an_unknown_block_set_stops_before_anything_is_written(tmp_path, capsys)
     import _gpu_slices
     assert list(_gpu_slices.block_sets(False, "llama-w64")) == ["llama-w64"]
     assert list(_gpu_slices.block_sets(True)) == ["gpt2-medium", "llama-7b-pair"]
+
+
+def test_autoplan_plans_with_the_blocks_eager_and_captured(tmp_path):
+    """``--steps autoplan``: the planner's command, once per mode, each plan covering the sequence, each
+    cost model recording how its blocks ran (on a CPU the captured units run eagerly: the plumbing)."""
+    import _gpu_autoplan
+    result = _gpu_autoplan.run(False, str(tmp_path), 2.0, lambda line: None)
+    assert not result["errors"] and [r["blocks"] for r in result["records"]] == ["eager", "captured"]
+    for r in result["records"]:
+        assert sum(r["slices"]) == result["seq_len"] == 128 and r["count"] == len(r["slices"]) and r["predicted_ms"] > 0
+        with open(tmp_path / r["cost_model"], encoding="utf-8") as handle:
+            assert json.load(handle)["meta"]["cuda_graphs"] == (r["blocks"] == "captured")
+    paths = _gpu_autoplan.write(str(tmp_path), result, "cpu")
+    text = open(paths[1], encoding="utf-8").read()
+    assert "| eager | " in text and "| captured | " in text
