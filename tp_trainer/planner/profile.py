@@ -30,12 +30,14 @@ from .cost_model import FEATURES, StageCost
 
 
 class _FilledKV(SequenceKV):
-    """A SequenceKV whose buffers start with small random values: a stand-in for earlier slices."""
+    """A SequenceKV whose buffers start with small random values: a stand-in for earlier slices. Not
+    while a CUDA graph is captured (``StageRunner.captured_run``): the fill would run in every replay
+    of the forward graph; a GPU times the context's arithmetic whatever its values."""
 
     def tensors(self, layer_idx, like=None):
         new = layer_idx not in self.layers
         out = super().tensors(layer_idx, like)
-        if new:
+        if new and not (out[0].is_cuda and torch.cuda.is_current_stream_capturing()):
             out[0].normal_(0.0, 0.5)
             out[1].normal_(0.0, 0.5)
         return out
