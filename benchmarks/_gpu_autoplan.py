@@ -5,7 +5,9 @@ the prefix, one block's halves and the suffix of a one-block probe of the model,
 (b, l, c) grid, then the stage split and the slices chosen together) for the Llama 7B-width pair
 (2 layers, seq 8192, bf16, 2 stages, batch 1; on a CPU a 64-wide pair at 128 tokens in fp32), the
 norms as the engine's default on this device, twice: the blocks eager, and the blocks replayed from
-captured graphs as ``terapipe.cuda_graphs`` runs them (``profile.StageRunner.captured_run``). On a
+captured graphs as ``terapipe.cuda_graphs`` runs them (``profile.StageRunner.captured_run``); then the
+eager costs planned again under a memory limit (``MODES``: order and checkpointing chosen from the
+per-layer memory the profile measured on this device). On a
 GPU the eager profile's units include the host time the graphs remove, so its plan takes fewer
 slices; the slice step's DP on its own captured samples (``_gpu_plan``, batch 1, 2 stages) is the
 figure to compare the captured plan with. Writes autoplan.json and autoplan.md into the output
@@ -23,7 +25,11 @@ import time
 # label: (hidden, heads, KV heads, intermediate, layers, vocabulary, seq_len, granularity, dtype)
 SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, 64, "bf16"),
         "llama-w64": (64, 4, 2, 160, 2, 256, 128, 8, "fp32")}
-MODES = {"eager": [], "captured": ["--cuda_graphs"]}
+# mode: the planner's flags after the common ones; "eager, memory limit" plans from the eager mode's
+# cost model (its per-layer memory measured on this device: memory.transient_peak and bytes_in_use)
+MODES = {"eager": ["--profile"], "captured": ["--profile", "--cuda_graphs"],
+         "eager, memory limit": ["--memory_limit_gib", "LIMIT", "--cost_model", "eager/cost_model.json"]}
+LIMIT_GIB = {"llama-7b-pair": "24", "llama-w64": "0.05"}
 
 
 def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
@@ -41,10 +47,13 @@ def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
     out = {"model": label, "seq_len": seq_len, "dtype": dtype, "stages": 2, "batch": 1, "records": [], "errors": {}}
     for mode, flags in MODES.items():
         where = os.path.join(folder, mode)
+        flags = [LIMIT_GIB[label] if f == "LIMIT" else os.path.join(folder, f) if f.endswith(".json") else f
+                 for f in flags]
         args = ["--model", os.path.join(folder, "model"), "--seq_len", str(seq_len), "--batch", "1", "--stages", "2",
-                "--granularity", str(granularity), "--profile", "--layers", "--time_budget", str(budget_s),
-                "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--save_dir", where,
-                "--save_cost_model", os.path.join(where, "cost_model.json"), *flags]
+                "--granularity", str(granularity), "--layers", "--time_budget", str(budget_s),
+                "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--save_dir", where, *flags]
+        if "--profile" in flags:
+            args += ["--save_cost_model", os.path.join(where, "cost_model.json")]
         start, printed = time.perf_counter(), io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
@@ -57,9 +66,12 @@ def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
         with open(os.path.join(where, "plan.json"), encoding="utf-8") as handle:
             plan = json.load(handle)
         slices = [s for row in plan["slices"] for s in row]
+        chosen = [line[2:].strip() for line in printed.getvalue().splitlines() if line.startswith("->")]
+        cost_model = os.path.join(folder, "eager" if "--cost_model" in flags else mode, "cost_model.json")
         out["records"].append({"blocks": mode, "slices": slices, "count": len(slices),
                                "predicted_ms": plan["predicted_time"] * 1e3, "seconds": time.perf_counter() - start,
-                               "cost_model": os.path.relpath(os.path.join(where, "cost_model.json"), out_dir)})
+                               "cost_model": os.path.relpath(cost_model, out_dir),
+                               "memory_plan": chosen[0] if chosen else None})
         log(f"blocks {mode}: {len(slices)} slices {slices}, predicted {plan['predicted_time'] * 1e3:.2f} ms "
             f"({out['records'][-1]['seconds']:.0f} s)")
     return out
@@ -74,6 +86,10 @@ def markdown(result: dict, device_name: str) -> str:
              "| blocks | slices | plan | predicted ms | profile + plan s |", "|---|---|---|---|---|"]
     for r in result["records"]:
         lines.append(f"| {r['blocks']} | {r['count']} | {r['slices']} | {r['predicted_ms']:.2f} | {r['seconds']:.0f} |")
+    for r in result["records"]:
+        if r.get("memory_plan"):
+            lines += ["", f"Memory-aware choice ({r['blocks']}; step s, peak GiB per stage, from the per-layer "
+                          f"memory measured here): `{r['memory_plan']}`"]
     for mode, err in result["errors"].items():
         lines += ["", f"**blocks {mode} failed**:", "", "```", err.strip()[-3000:], "```"]
     return "\n".join(lines) + "\n"

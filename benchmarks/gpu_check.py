@@ -28,7 +28,8 @@ Steps (each result says which device it ran on; a step that cannot run here says
   multi   2+ GPUs: benchmarks/compare.py over NCCL on GPT-2 small / medium at seq 1024 and 2048.
   autoplan  (only when named in --steps) the planner's command on the Llama pair, 2 stages, batch 1,
      profiling the blocks eager and captured (``_gpu_autoplan.py``; ``--budget`` seconds of profile
-     each, default 30 on a GPU): the plans "slices": "auto" makes here; DIR/autoplan.{md,json}.
+     each, default 30 on a GPU), and the eager costs under a memory limit: the plans "slices": "auto"
+     makes here; DIR/autoplan.{md,json}.
 The engine and multi-GPU steps need CUDA; without it they are reported as skipped. ``--deadline S``
 (for a timed lease; counted from this script's start, after gpu_check.sh's setup: e.g. 360 under a
 600 s limit): after S seconds no block set, variant, engine or step starts; the report lists what was

@@ -397,11 +397,14 @@ def test_autoplan_plans_with_the_blocks_eager_and_captured(tmp_path):
     cost model recording how its blocks ran (on a CPU the captured units run eagerly: the plumbing)."""
     import _gpu_autoplan
     result = _gpu_autoplan.run(False, str(tmp_path), 2.0, lambda line: None)
-    assert not result["errors"] and [r["blocks"] for r in result["records"]] == ["eager", "captured"]
+    assert not result["errors"] and [r["blocks"] for r in result["records"]] == [
+        "eager", "captured", "eager, memory limit"]
     for r in result["records"]:
         assert sum(r["slices"]) == result["seq_len"] == 128 and r["count"] == len(r["slices"]) and r["predicted_ms"] > 0
         with open(tmp_path / r["cost_model"], encoding="utf-8") as handle:
             assert json.load(handle)["meta"]["cuda_graphs"] == (r["blocks"] == "captured")
+    assert [r["memory_plan"] is not None for r in result["records"]] == [False, False, True]
+    assert "checkpointing" in result["records"][2]["memory_plan"]   # "no checkpointing" or "on stage ..."
     paths = _gpu_autoplan.write(str(tmp_path), result, "cpu")
     text = open(paths[1], encoding="utf-8").read()
-    assert "| eager | " in text and "| captured | " in text
+    assert "| eager | " in text and "| captured | " in text and "Memory-aware choice (eager, memory limit" in text

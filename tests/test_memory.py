@@ -40,3 +40,29 @@ def test_peak_window_survives_inner_resets():
     with transient_peak():
         pass
     assert window_peak_mb() - before > 48
+
+
+def test_a_gpu_counts_its_allocator_not_the_resident_set(monkeypatch):
+    """On a CUDA device the memory model's measurements read the caching allocator (and the device's
+    used memory for a limit's baseline), not this process's RSS, which a GPU's tensors do not touch.
+    Here CUDA's statistics are a fake allocator's: what each function reads, on the CUDA path."""
+    from tp_trainer import memory
+    state = {"allocated": 100, "peak": 100, "reserved": 512, "peak_reserved": 4096, "free": 700 * 2 ** 20}
+    fake = {"synchronize": lambda device=None: None, "empty_cache": lambda: None,
+            "memory_allocated": lambda device=None: state["allocated"],
+            "max_memory_allocated": lambda device=None: state["peak"],
+            "reset_peak_memory_stats": lambda device=None: state.update(peak=state["allocated"]),
+            "memory_reserved": lambda device=None: state["reserved"] * 2 ** 20,
+            "max_memory_reserved": lambda device=None: state["peak_reserved"] * 2 ** 20,
+            "mem_get_info": lambda device=None: (state["free"], 1000 * 2 ** 20)}
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    gpu = torch.device("cuda", 0)
+    with memory.transient_peak(gpu) as peak:
+        state.update(peak=100 + 5000, allocated=100 + 64)   # a backward's transient 5000 bytes
+    assert peak["bytes"] == 5000.0
+    assert memory.bytes_in_use(gpu) == 164.0
+    assert memory.device_used_mb(gpu) == 300.0                       # total - free: the context included
+    assert memory.used_above_mb(300.0, gpu) == 512.0 and memory.peak_above_mb(300.0, gpu) == 4096.0
+    report = memory_report(gpu, budget={"baseline_mb": 300.0, "predicted_mb": 4000.0, "limit_mb": 9000.0})
+    assert "above the 300 MiB before the model 4096 MiB (predicted 4000 MiB" in report

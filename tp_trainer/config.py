@@ -110,11 +110,12 @@ class TeraPipeConfig:
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
     optimizer state, activations and K/V; measured as peak RSS above the process's size before the
-    model is built), or "auto": the device's memory (a GPU's total; on CPU the machine's RAM divided
-    by the ranks on it). The planner then also chooses the order (gpipe / 1f1b) and activation
-    checkpointing per stage: the least predicted step time whose predicted peak fits. If no plan
-    fits, the run stops before building the model, naming the limit that would fit and the longest
-    sequence that fits this one. None: no limit (time alone)."""
+    model is built; on a GPU, the allocator's peak above what the device used before the model, the
+    CUDA context included: tp_trainer/memory.py, not yet run on a GPU), or "auto": the device's memory
+    (a GPU's total; on CPU the machine's RAM divided by the ranks on it). The planner then also
+    chooses the order (gpipe / 1f1b) and activation checkpointing per stage: the least predicted step
+    time whose predicted peak fits. If no plan fits, the run stops before building the model, naming
+    the limit that would fit and the longest sequence that fits this one. None: no limit (time alone)."""
 
     split_blocks: bool = True
     """With "auto" slices: a stage boundary may fall inside a decoder block, between its attention and

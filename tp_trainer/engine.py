@@ -42,7 +42,7 @@ from .model.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
 from .model.segments import MicrobatchLayouts
 from .model.slice_cache import SequenceKV
 from .model.weight_grad import defer_stage_weight_grads, weight_grads_in_b
-from .memory import ActivationTracker, current_rss_mb
+from .memory import ActivationTracker, used_above_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
 from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, RecvActivation, RecvGrad,
@@ -100,7 +100,7 @@ class TeraPipeEngine(PipelineEngine):
                                       self._stage_rank)
         self._eval_programs: dict[int, Program] = {}   # microbatches -> forward-only program
         self.memory_budget = run_plan.memory_budget and {  # + what the built engine holds before any step
-            **run_plan.memory_budget, "built_mb": current_rss_mb() - run_plan.memory_budget["baseline_mb"]}
+            **run_plan.memory_budget, "built_mb": used_above_mb(run_plan.memory_budget["baseline_mb"], self.device)}
         self.layouts = MicrobatchLayouts()   # packed examples: where each starts, per microbatch
         self._reset_step_state()
 

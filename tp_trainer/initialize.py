@@ -24,7 +24,7 @@ from .engine import TeraPipeEngine
 from .failures import together
 from .lora import add_lora
 from .ds_compat import bf16_fold_config, stage_of_rank
-from .memory import current_rss_mb
+from .memory import device_used_mb
 from .model.compiled_blocks import compile_blocks
 from .model.fused_norm import fuse_rms_norms
 from .model.layers import DecoderBlock
@@ -84,7 +84,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     init_process_group(dist_init_required)
     local_rank, _ = local_ranks()
     device = get_accelerator().device_name(local_rank)
-    baseline_mb = current_rss_mb()  # the memory limit counts from here
+    baseline_mb = device_used_mb(device)  # the memory limit counts from here
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
                                baseline_mb) if terapipe.auto and split is None else (None, None))
     split = layout.split if layout else split

@@ -164,12 +164,25 @@ def window_peak_mb() -> float:
     return max(_WINDOW_PEAK_MB[0], hwm_mb())
 
 
+def is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
 @contextmanager
-def transient_peak():
+def transient_peak(device=None):
     """Measures the peak RSS inside the block above the RSS at its start (freed memory given back
     first): yields a dict whose "bytes" is set on exit (None where VmHWM cannot be reset). Exact to a
-    page for allocations ``lean_heap`` maps; other threads' allocations count too."""
+    page for allocations ``lean_heap`` maps; other threads' allocations count too. On a CUDA
+    ``device``: the caching allocator's peak of allocated bytes above those allocated at the start."""
     out = {"bytes": None}
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield out
+        torch.cuda.synchronize(device)
+        out["bytes"] = float(max(0, torch.cuda.max_memory_allocated(device) - start))
+        return
     release_freed()
     start = current_rss_mb()
     ok = reset_hwm()
@@ -188,6 +201,43 @@ def release_freed() -> None:
         pass
 
 
+def bytes_in_use(device=None) -> float:
+    """What this process's tensors hold now: on a CUDA ``device`` the allocator's allocated bytes,
+    elsewhere the resident set (``current_rss_mb``, after ``release_freed``)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.memory_allocated(device))
+    release_freed()
+    return current_rss_mb() * 2 ** 20
+
+
+def device_used_mb(device=None) -> float:
+    """What a memory limit counts, in MiB: on a CUDA ``device`` its used memory with the allocator's
+    cache emptied first (the CUDA context and libraries' workspaces, and other processes', count: the
+    limit is what the device has), elsewhere this process's resident set (``current_rss_mb``)."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return (total - free) / 2 ** 20
+    return current_rss_mb()
+
+
+def used_above_mb(baseline_mb: float, device=None) -> float:
+    """Memory used now above ``baseline_mb``: on CUDA the allocator's reserved bytes, elsewhere the RSS above it."""
+    if is_cuda(device):
+        return torch.cuda.memory_reserved(device) / 2 ** 20
+    return current_rss_mb() - baseline_mb
+
+
+def peak_above_mb(baseline_mb: float, device=None) -> float:
+    """The most memory used so far above ``baseline_mb`` (``device_used_mb`` before the model): on CUDA
+    the allocator's peak reserved bytes (what it held beyond the context), elsewhere the peak RSS above it."""
+    if is_cuda(device):
+        return torch.cuda.max_memory_reserved(device) / 2 ** 20
+    return peak_rss_mb() - baseline_mb
+
+
 def current_rss_mb() -> float:
     """This process's resident memory now, in MiB (Linux /proc; 0 elsewhere)."""
     try:
@@ -204,7 +254,8 @@ def memory_report(device, tracker: ActivationTracker | None = None, budget: dict
     peak above the baseline beside the predicted peak and the limit."""
     parts = [f"peak rss {peak_rss_mb():.0f} MiB"]
     if budget:
-        parts.append(f"above the {budget['baseline_mb']:.0f} MiB before the model {peak_rss_mb() - budget['baseline_mb']:.0f} "
+        parts.append(f"above the {budget['baseline_mb']:.0f} MiB before the model "
+                     f"{peak_above_mb(budget['baseline_mb'], device):.0f} "
                      f"MiB (predicted {budget['predicted_mb']:.0f} MiB, limit {budget['limit_mb']:.0f} MiB; "
                      f"{budget.get('built_mb', float('nan')):.0f} MiB once the engine was built)")
     if torch.device(device).type == "cuda":

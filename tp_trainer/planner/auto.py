@@ -108,8 +108,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     if lora is not None and layers.memory is not None:  # adapter state, not full state
         from ..lora import planner_parts
         layers = dataclasses.replace(layers, memory=planner_parts(layers.memory, lora, config))
-    overhead = _overhead(baseline_mb) if memory_limit is not None else 0.0
-    profiled = _profile_peaks(baseline_mb) if memory_limit is not None else None
+    overhead = _overhead(baseline_mb, device) if memory_limit is not None else 0.0
+    profiled = _profile_peaks(baseline_mb, device) if memory_limit is not None else None
     result = [None]
     if rank == 0:
         try:
@@ -144,24 +144,26 @@ def _least_over_ranks(limit_bytes: float) -> float:
     return float(min(_every_rank(limit_bytes)))
 
 
-def _overhead(baseline_mb: float | None) -> float:
-    """Bytes above ``baseline_mb`` this process holds now, after giving freed memory back; the most
-    over the ranks (collective)."""
-    from ..memory import current_rss_mb, release_freed
+def _overhead(baseline_mb: float | None, device=None) -> float:
+    """Bytes above ``baseline_mb`` this process holds now (``memory.device_used_mb``: RSS, or a GPU's
+    used memory), after giving freed memory back; the most over the ranks (collective)."""
+    from ..memory import device_used_mb, release_freed
     if baseline_mb is None:
         return 0.0
     import gc
     gc.collect()  # the profile's probe models, left in reference cycles
     release_freed()
-    return float(max(_every_rank(max(0.0, current_rss_mb() - baseline_mb) * 2 ** 20)))
+    return float(max(_every_rank(max(0.0, device_used_mb(device) - baseline_mb) * 2 ** 20)))
 
 
-def _profile_peaks(baseline_mb: float | None) -> list[float] | None:
-    """Every rank's peak RSS so far above ``baseline_mb``, in bytes (collective): what profiling took."""
-    from ..memory import hwm_mb, window_peak_mb
-    if baseline_mb is None or hwm_mb() <= 0:
+def _profile_peaks(baseline_mb: float | None, device=None) -> list[float] | None:
+    """Every rank's peak so far above ``baseline_mb``, in bytes (collective): what profiling took
+    (``memory.peak_above_mb``; on a CPU from the resident set's high-water mark)."""
+    from ..memory import hwm_mb, is_cuda, peak_above_mb, window_peak_mb
+    if baseline_mb is None or (not is_cuda(device) and hwm_mb() <= 0):
         return None
-    return _every_rank(max(0.0, window_peak_mb() - baseline_mb) * 2 ** 20)
+    above = peak_above_mb(baseline_mb, device) if is_cuda(device) else window_peak_mb() - baseline_mb
+    return _every_rank(max(0.0, above) * 2 ** 20)
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,

@@ -346,11 +346,11 @@ def _fuse_head(funcs: list):
 
 def _backward_peak(runner, out) -> float | None:
     """Run ``out``'s backward with the parameters' gradients already allocated (a training step has
-    them); the RSS peak above the start. Gradients are None again after."""
+    them); the peak above the start (RSS, or a GPU's allocated bytes). Gradients are None again after."""
     from ..memory import transient_peak
     for p in runner.params:
         p.grad = torch.zeros_like(p)
-    with transient_peak() as peak:
+    with transient_peak(runner.device) as peak:
         out.backward(None if out.dim() == 0 else torch.randn_like(out))
     for p in runner.params:
         p.grad = None
@@ -376,20 +376,19 @@ def _plain_unit(runner, ctx, l, c):
 
 
 def _checkpointed_unit(runner, ctx, l, c):
-    """(bytes a checkpointed unit keeps: RSS growth over its forward, which made its input, less its
+    """(bytes a checkpointed unit keeps: growth over its forward (``memory.bytes_in_use``: RSS, or a
+    GPU's allocated bytes), which made its input, less its
     output and what the slice context's tables grew by; the backward's peak above that). A first
     forward of the same unit allocates the K/V buffers and builds the context's tables, so the growth
     holds none of them (which pages of a fresh buffer are resident depends on the allocator). None,
     None without VmHWM."""
-    from ..memory import current_rss_mb, release_freed
+    from ..memory import bytes_in_use
     from ..model.slice_cache import SequenceKV
     kv = SequenceKV(runner.seq_len)
     _forward(runner, ctx, kv, l, c, checkpointed=True)  # its output and graph dropped at once
-    release_freed()
-    start, masks, tables = current_rss_mb(), ctx.held_bytes(masks=True), ctx.held_bytes(masks=False)
+    start, masks, tables = bytes_in_use(runner.device), ctx.held_bytes(masks=True), ctx.held_bytes(masks=False)
     out, x = _forward(runner, ctx, kv, l, c, checkpointed=True)
-    release_freed()
-    grown = (current_rss_mb() - start) * 2 ** 20
+    grown = bytes_in_use(runner.device) - start
     masks, tables = ctx.held_bytes(masks=True) - masks, ctx.held_bytes(masks=False) - tables
     kept = max(0.0, grown - out.nbytes - masks - tables)
     back = _backward_peak(runner, out)

@@ -187,17 +187,17 @@ class Footprint:
     largest measured / predicted ratio of the points run so far, stay <= ``max_bytes`` (the memory
     model, fitted on short slices, misses what a long slice's profile run holds besides its unit)."""
 
-    def __init__(self, predict, max_bytes: float):
-        self.predict, self.max_bytes, self.scale = predict, max_bytes, 1.0
+    def __init__(self, predict, max_bytes: float, device=None):
+        self.predict, self.max_bytes, self.scale, self.device = predict, max_bytes, 1.0, device
 
     def allows(self, b: int, l: int, c: int) -> bool:
         return self.predict(b, l, c) * self.scale <= self.max_bytes
 
     @contextlib.contextmanager
     def watch(self, b: int, l: int, c: int):
-        """Measures the block's RSS peak (``memory.transient_peak``) and updates the scale."""
+        """Measures the block's peak (``memory.transient_peak``: RSS, or the device's) and updates the scale."""
         from ..memory import transient_peak
-        with transient_peak() as peak:
+        with transient_peak(self.device) as peak:
             yield
         if peak["bytes"]:
             self.scale = max(self.scale, peak["bytes"] / max(self.predict(b, l, c), 1.0))
@@ -241,7 +241,7 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     rng_state = torch.random.get_rng_state()
     least = len(FEATURES) + 3
     points = within(grid(seq_len, batch_sizes, granularity), footprint, max_bytes, least)
-    guard = Footprint(footprint, max_bytes) if footprint is not None and max_bytes is not None else None
+    guard = Footprint(footprint, max_bytes, runner.device) if footprint is not None and max_bytes is not None else None
     rows, start = [], time.perf_counter()
     bar = _progress(len(points), desc, progress)
     try:
