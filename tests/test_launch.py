@@ -219,6 +219,22 @@ def test_auto_slices_config(tmp_path):
                                                                        "fused_norm": False}, meta
 
 
+def test_auto_slices_with_captured_blocks(tmp_path):
+    """"slices": "auto" with cuda_graphs: the blocks profiled as they run (captured units; eagerly unit by
+    unit on a CPU), the plan may cut a block or share a half between the stages, and the captured
+    run trains on it (the halves run inside the captured units)."""
+    with open(os.path.join(REPO, "ds_configs", "gpt2_auto_cpu.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    config["terapipe"].update(profile_seconds=3, cuda_graphs=True)
+    (tmp_path / "auto.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    log = train_ranks(2, ["--deepspeed_config", str(tmp_path / "auto.json"), "--max_steps", "2", "--eval_interval",
+                          "2", "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out)])
+    assert "inside their captured graphs" in log and "step 2 validation loss" in log
+    meta = json.loads((out / "cost_model.json").read_text())["meta"]
+    assert meta["cuda_graphs"] is True and sum(json.loads((out / "plan.json").read_text())["slices"]) == 1024
+
+
 def test_auto_run_keeps_its_cost_model(tmp_path):
     """A fresh "auto" run writes its profile into the output dir (never reading an older one there);
     its --resume reads it; an explicit terapipe.cost_model always wins."""
