@@ -117,7 +117,6 @@ class StageRunner:
             self.last_weight_s = time.perf_counter() - t2
         return t1 - t0, time.perf_counter() - t1
 
-
     def captured_run(self, b: int, l: int, c: int) -> tuple[float, float]:
         """(forward s, backward s) of one unit as ``terapipe.cuda_graphs`` runs the decoder blocks: its
         forward and backward (weight gradients in it) replayed from CUDA graphs captured at the point's
@@ -229,8 +228,9 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     smallest at least, and the prediction is scaled by the points measured so far (``Footprint``);
     the fit prices the longer slices from the shorter ones. ``captured``: the layers are decoder blocks
     of a run with ``terapipe.cuda_graphs``: each point is timed replayed from its own captured graphs
-    (``StageRunner.captured_run``), weight gradients in the backward, as those runs make them (no W
-    column: the captured blocks have no W instruction).
+    (``StageRunner.captured_run``), weight gradients in each unit's backward (no W column: captured
+    blocks have no W instruction; by default they make the weight gradients once per sequence inside
+    the first slice's graph, which the fit spreads over the units).
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
     run = runner.captured_run if captured else runner.run
