@@ -6,7 +6,7 @@ the prefix, one block's halves and the suffix of a one-block probe of the model,
 (2 layers, seq 8192, bf16, 2 stages, batch 1; on a CPU a 64-wide pair at 128 tokens in fp32), the
 norms as the engine's default on this device, twice: the blocks eager, and the blocks replayed from
 captured graphs as ``terapipe.cuda_graphs`` runs them (``profile.StageRunner.captured_run``); then the
-eager costs planned again under a memory limit (``MODES``: order and checkpointing chosen from the
+eager costs planned again under a memory limit (``modes``: order and checkpointing chosen from the
 per-layer memory the profile measured on this device). On a
 GPU the eager profile's units include the host time the graphs remove, so its plan takes fewer
 slices; the slice step's DP on its own captured samples (``_gpu_plan``, batch 1, 2 stages) is the
@@ -25,15 +25,23 @@ import time
 # label: (hidden, heads, KV heads, intermediate, layers, vocabulary, seq_len, granularity, dtype)
 SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, 64, "bf16"),
         "llama-w64": (64, 4, 2, 160, 2, 256, 128, 8, "fp32")}
-# mode: the planner's flags after the common ones; "eager, memory limit" plans from the eager mode's
-# cost model (its per-layer memory measured on this device: memory.transient_peak and bytes_in_use)
-MODES = {"eager": ["--profile"], "captured": ["--profile", "--cuda_graphs"],
-         "eager, memory limit": ["--memory_limit_gib", "LIMIT", "--cost_model", "eager/cost_model.json"]}
 LIMIT_GIB = {"llama-7b-pair": "24", "llama-w64": "0.05"}
 
 
+def modes(folder: str, label: str) -> dict:
+    """mode: (the planner's flags after the common ones, the cost model it plans from). "eager, memory
+    limit" plans from the eager mode's cost model (its per-layer memory measured on this device:
+    memory.transient_peak and bytes_in_use); the others profile and write their own."""
+    profiled = {mode: os.path.join(folder, mode, "cost_model.json") for mode in ("eager", "captured")}
+    return {"eager": (["--profile", "--save_cost_model", profiled["eager"]], profiled["eager"]),
+            "captured": (["--profile", "--cuda_graphs", "--save_cost_model", profiled["captured"]],
+                         profiled["captured"]),
+            "eager, memory limit": (["--memory_limit_gib", LIMIT_GIB[label], "--cost_model", profiled["eager"]],
+                                    profiled["eager"])}
+
+
 def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
-    """Profile and plan in both modes; returns {"model", "seq_len", "dtype", "stages", "batch",
+    """Profile and plan in each mode (``modes``); returns {"model", "seq_len", "dtype", "stages", "batch",
     "records": [{"blocks", "slices", "count", "predicted_ms", "seconds", "cost_model"}], "errors"}."""
     from transformers import LlamaConfig
 
@@ -45,15 +53,11 @@ def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
                 num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=seq_len, bos_token_id=0,
                 eos_token_id=0).save_pretrained(os.path.join(folder, "model"))
     out = {"model": label, "seq_len": seq_len, "dtype": dtype, "stages": 2, "batch": 1, "records": [], "errors": {}}
-    for mode, flags in MODES.items():
+    for mode, (flags, cost_model) in modes(folder, label).items():
         where = os.path.join(folder, mode)
-        flags = [LIMIT_GIB[label] if f == "LIMIT" else os.path.join(folder, f) if f.endswith(".json") else f
-                 for f in flags]
         args = ["--model", os.path.join(folder, "model"), "--seq_len", str(seq_len), "--batch", "1", "--stages", "2",
                 "--granularity", str(granularity), "--layers", "--time_budget", str(budget_s),
                 "--device", "cuda" if gpu else "cpu", "--dtype", dtype, "--save_dir", where, *flags]
-        if "--profile" in flags:
-            args += ["--save_cost_model", os.path.join(where, "cost_model.json")]
         start, printed = time.perf_counter(), io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
@@ -67,7 +71,6 @@ def run(gpu: bool, out_dir: str, budget_s: float, log) -> dict:
             plan = json.load(handle)
         slices = [s for row in plan["slices"] for s in row]
         chosen = [line[2:].strip() for line in printed.getvalue().splitlines() if line.startswith("->")]
-        cost_model = os.path.join(folder, "eager" if "--cost_model" in flags else mode, "cost_model.json")
         out["records"].append({"blocks": mode, "slices": slices, "count": len(slices),
                                "predicted_ms": plan["predicted_time"] * 1e3, "seconds": time.perf_counter() - start,
                                "cost_model": os.path.relpath(cost_model, out_dir),

@@ -275,8 +275,9 @@ def engine_step_lines(step: dict) -> list[str]:
         return []
     lines = [f"Whole 1-stage engine step (embedding, blocks, head, loss, optimizer; `_gpu_stage.py`), "
              f"{step.get('model')}, seq {step.get('seq_len')}, {step.get('dtype')}: ms a step (wall, median), "
-             "then / the same blocks mode on 1 slice, then the engine's peak memory (MiB, as the slice step's).", "", "| slices | " + " | ".join(
-                 f"blocks {mode}" for mode in ENGINE_BLOCKS) + " |", "|---|" + "---|" * len(ENGINE_BLOCKS)]
+             "then / the same blocks mode on 1 slice, then the engine's peak memory (MiB, as the slice step's).", "",
+             "| slices | " + " | ".join(f"blocks {mode}" for mode in ENGINE_BLOCKS) + " |",
+             "|---|" + "---|" * len(ENGINE_BLOCKS)]
     whole = {r["blocks"]: r["ms"] for r in recs if r["slices"] == 1}
     for s in sorted({r["slices"] for r in recs}):
         cells = []

@@ -81,8 +81,8 @@ class TeraPipeConfig:
     checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
     order (what the CPU tests check). With "slices": "auto" the planner times the blocks replayed from
-    captured graphs too (planner/profile.py, ``StageRunner.captured_run``). Opt-in: on an H200 a whole 1-stage engine step of a Llama
-    7B-width pair at 8192 tokens took 87.0 ms in 8 slices captured against 123.4 ms eager (1 slice:
+    captured graphs too (planner/profile.py, ``StageRunner.captured_run``). Opt-in: on an H200 a whole
+    1-stage engine step of a Llama 7B-width pair at 8192 tokens took 87.0 ms in 8 slices captured against 123.4 ms eager (1 slice:
     79.2 against 77.4; benchmarks/RESULTS.md), but stages joined by NCCL have not run captured on a
     GPU, and the needs above rule out ZeRO-1 and checkpointed runs."""
 
@@ -211,7 +211,7 @@ class TeraPipeConfig:
 
     def fuses_norms(self, device_type: str) -> bool:
         """Whether this run's RMSNorms take the fused kernels on a ``device_type`` ("cuda", "cpu", ...)."""
-        return self.fused_rms_norm is True or (self.fused_rms_norm == "auto" and device_type == "cuda")
+        return fuses_norms(self.fused_rms_norm, device_type)
 
     @classmethod
     def from_section(cls, section: dict | None) -> "TeraPipeConfig":
@@ -267,6 +267,11 @@ def check_zero_stage(ds_config: dict) -> None:
         raise ConfigError(f"zero_optimization.stage: {stage} cannot be combined with pipeline parallelism "
                           f"(DeepSpeed partitions gradients across the pipeline's micro-steps only for "
                           f"stage <= 1); use \"stage\": 1 (optimizer-state partitioning)")
+
+
+def fuses_norms(setting, device_type: str) -> bool:
+    """``terapipe.fused_rms_norm``'s rule: true / false force it, "auto" fuses on CUDA only."""
+    return setting is True or (setting == "auto" and device_type == "cuda")
 
 
 def compute_dtype_name(ds_config: dict) -> str:

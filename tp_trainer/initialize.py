@@ -12,6 +12,7 @@ import logging
 import os
 
 import deepspeed
+import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -93,7 +94,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     module = build_pipeline_module(model, stages, split=split)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     # before compile_blocks: the compiled blocks trace the fused forward
-    if terapipe.fuses_norms(get_accelerator().device_name()):
+    if terapipe.fuses_norms(torch.device(device).type):
         fuse_rms_norms([module])
     if terapipe.compile_blocks:   # compiled lazily, at each block's first slice
         compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], terapipe.compile_blocks)
@@ -140,7 +141,6 @@ def memory_limit_bytes(terapipe, device) -> float | None:
         return None
     if limit != "auto":
         return float(limit) * 2 ** 30
-    import torch
     if torch.device(device).type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     _, ranks = local_ranks()
@@ -186,6 +186,6 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
                 terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config),
-                fused_norm=terapipe.fuses_norms(get_accelerator().device_name()), captured=terapipe.cuda_graphs)
+                fused_norm=terapipe.fuses_norms(torch.device(device).type), captured=terapipe.cuda_graphs)
 
 

@@ -129,6 +129,7 @@ def parse_args(argv=None):
 def plan_layers(args, config, cost) -> None:
     """Plan from per-layer costs (profiled here with --layers, or a cost model's meta["layers"]) and
     print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
+    from ..config import fuses_norms
     from ..model.adapters import adapter_for
     from ..model.split import split_for_config
     from .auto import _plan, measured_settings
@@ -137,7 +138,7 @@ def plan_layers(args, config, cost) -> None:
         sizes = [args.microbatch_size] if args.microbatch_size else [b for b in range(1, args.batch + 1)
                                                                       if args.batch % b == 0]
         device = torch.device(args.device)
-        fused = args.fused_rms_norm == "true" or (args.fused_rms_norm == "auto" and device.type == "cuda")
+        fused = fuses_norms({"true": True, "false": False}.get(args.fused_rms_norm, "auto"), device.type)
         parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget,
                                                device, dtype=TORCH_DTYPES[args.dtype], fused_norm=fused,
                                                captured=args.cuda_graphs)

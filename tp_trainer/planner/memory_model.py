@@ -377,8 +377,8 @@ def _plain_unit(runner, ctx, l, c):
 
 def _checkpointed_unit(runner, ctx, l, c):
     """(bytes a checkpointed unit keeps: growth over its forward (``memory.bytes_in_use``: RSS, or a
-    GPU's allocated bytes), which made its input, less its
-    output and what the slice context's tables grew by; the backward's peak above that). A first
+    GPU's allocated bytes), which made its input, less its output and what the slice context's tables
+    grew by; the backward's peak above that). A first
     forward of the same unit allocates the K/V buffers and builds the context's tables, so the growth
     holds none of them (which pages of a fresh buffer are resident depends on the allocator). None,
     None without VmHWM."""

@@ -233,10 +233,10 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     the first slice's graph, which the fit spreads over the units).
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
-    run = runner.captured_run if captured else runner.run
+    run, deferred = runner.captured_run, []
     if not captured:
         runner.weight_grads = DeferredWeightGrads()  # backward timed as B + W, W also alone (6th column)
-    deferred = defer_stage(runner.funcs, runner.weight_grads) if not captured else []
+        run, deferred = runner.run, defer_stage(runner.funcs, runner.weight_grads)
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     rng_state = torch.random.get_rng_state()
     least = len(FEATURES) + 3
