@@ -57,20 +57,11 @@ def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dty
 @contextmanager
 def variant_peak(device):
     """Yields a dict whose "mib" is set on exit: the most memory held inside the block above what was
-    held at its start. On CUDA the caching allocator's peak reserved bytes (CUDA graphs' private
-    pools, which the captures keep, included; the cache emptied first); elsewhere the
-    peak RSS (``tp_trainer.memory.transient_peak``: None where the kernel cannot reset it)."""
-    out = {"mib": None}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()   # what the cache holds from earlier work would hide this block's need
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_reserved()
-        yield out
-        torch.cuda.synchronize()
-        out["mib"] = (torch.cuda.max_memory_reserved() - start) / 2 ** 20
-        return
+    held at its start (``tp_trainer.memory.transient_peak``): on CUDA the caching allocator's peak
+    reserved bytes (CUDA graphs' private pools, which the captures keep, included); elsewhere the
+    peak RSS (None where the kernel cannot reset it)."""
     from tp_trainer.memory import transient_peak
-    with transient_peak() as peak:
+    out = {"mib": None}
+    with transient_peak(device, reserved=True) as peak:
         yield out
     out["mib"] = None if peak["bytes"] is None else peak["bytes"] / 2 ** 20

@@ -61,6 +61,9 @@ def test_a_gpu_counts_its_allocator_not_the_resident_set(monkeypatch):
     with memory.transient_peak(gpu) as peak:
         state.update(peak=100 + 5000, allocated=100 + 64)   # a backward's transient 5000 bytes
     assert peak["bytes"] == 5000.0
+    with memory.transient_peak(gpu, reserved=True) as peak:   # the graph pools' and cache's view
+        pass
+    assert peak["bytes"] == (4096 - 512) * 2 ** 20
     assert memory.bytes_in_use(gpu) == 164.0
     assert memory.device_used_mb(gpu) == 300.0                       # total - free: the context included
     assert memory.used_above_mb(300.0, gpu) == 512.0 and memory.peak_above_mb(300.0, gpu) == 4096.0

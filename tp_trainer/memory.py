@@ -169,19 +169,25 @@ def is_cuda(device) -> bool:
 
 
 @contextmanager
-def transient_peak(device=None):
+def transient_peak(device=None, reserved: bool = False):
     """Measures the peak RSS inside the block above the RSS at its start (freed memory given back
     first): yields a dict whose "bytes" is set on exit (None where VmHWM cannot be reset). Exact to a
     page for allocations ``lean_heap`` maps; other threads' allocations count too. On a CUDA
-    ``device``: the caching allocator's peak of allocated bytes above those allocated at the start."""
+    ``device``: the caching allocator's peak of allocated bytes above those allocated at the start;
+    ``reserved``: of its reserved bytes instead, the cache emptied first (what the block held with
+    the allocator's cache and CUDA graphs' private pools)."""
     out = {"bytes": None}
     if is_cuda(device):
+        held = torch.cuda.memory_reserved if reserved else torch.cuda.memory_allocated
+        peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
         torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
+        if reserved:
+            torch.cuda.empty_cache()   # what the cache holds from earlier work would hide the block's need
+        start = held(device)
         torch.cuda.reset_peak_memory_stats(device)
         yield out
         torch.cuda.synchronize(device)
-        out["bytes"] = float(max(0, torch.cuda.max_memory_allocated(device) - start))
+        out["bytes"] = float(max(0, peak(device) - start))
         return
     release_freed()
     start = current_rss_mb()
