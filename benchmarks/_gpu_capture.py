@@ -29,11 +29,10 @@ from typing import NamedTuple
 
 import torch
 
-from tp_trainer.model.attention_cuda import kernel_in_use, use_kernel
+from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, use_kernel
 from tp_trainer.model.capture import WEIGHT_MODES
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
-from tp_trainer.model.slice_cache import TOKEN_MAJOR
 
 from _gpu_attention_memory import attention_bytes, variant_peak
 from _gpu_cost import uniform_offsets
@@ -96,22 +95,18 @@ def wrap(model):
 
 class Variant(NamedTuple):
     """One timed way to run the blocks: captured or eager, where the weight gradients are made, the
-    attention kernel on CUDA, whether the blocks are compiled around their attention, whether
-    their RMSNorms run torch's fused kernels (``model/fused_norm.py``), and whether the K/V buffers
-    are head-major (b, heads, L, d) in memory, as before CUDA's were made token-major
-    (``slice_cache.TOKEN_MAJOR``)."""
+    attention kernel on CUDA (``attention_cuda.KERNELS``), whether the blocks are compiled around
+    their attention, and whether their RMSNorms run torch's fused kernels (``model/fused_norm.py``)."""
     captured: bool
     weights: str
     kernel: str
     compiled: bool = False
     fused_norm: bool = False
-    head_major: bool = False
 
 
-def flags_label(compiled: bool = False, fused_norm: bool = False, head_major: bool = False) -> str:
+def flags_label(compiled: bool = False, fused_norm: bool = False) -> str:
     """A variant's flags as the report and the log name them (after its weights and kernel)."""
-    return "".join(text for on, text in ((compiled, ", compiled"), (fused_norm, ", fused norm"),
-                                         (head_major, ", head-major K/V")) if on)
+    return "".join(text for on, text in ((compiled, ", compiled"), (fused_norm, ", fused norm")) if on)
 
 
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
@@ -120,10 +115,13 @@ def variants(device, compiled: bool = True, family: str | None = None) -> list[V
     if device.type != "cuda":
         found = [Variant(False, "in B", "auto")]
     else:
+        llama = family == "llama"
         found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in WEIGHT_MODES]
                  + [Variant(True, "W per sequence", "flash")]
-                 + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if family == "llama" else [])
-                 + [Variant(True, "W per sequence", "auto", head_major=True), Variant(True, "W per sequence", "auto")])
+                 + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if llama else [])
+                 # one bottom-right cuDNN kernel per slice (attention_cudnn), as the engine would run it
+                 + [Variant(True, "W per sequence", "cudnn-br", fused_norm=llama)]
+                 + [Variant(True, "W per sequence", "auto")])
     if compiled:
         found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
     if compiled and device.type == "cuda" and family == "llama":   # both: the fastest the engine offers
@@ -149,7 +147,7 @@ class SlicedRun:
     ``fused_norm``: their RMSNorms through torch's fused kernels (``fused_norm``) until ``close``."""
 
     def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
-                 weights: str = "in B", compiled: bool = False, fused_norm: bool = False, head_major: bool = False):
+                 weights: str = "in B", compiled: bool = False, fused_norm: bool = False):
         from tp_trainer.model.capture import UnitGraphs, layer_callbacks
         from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
         self.offsets = uniform_offsets(seq_len, slices)
@@ -164,10 +162,7 @@ class SlicedRun:
 
         run_forward, begin_backward, end_backward = layer_callbacks(layers, ctx, self.offsets, store, weights)
         shapes = [[(1, length, hidden) for _, length in self.offsets]]
-        token_major = set(TOKEN_MAJOR)
         try:
-            if head_major:   # captured units keep the buffers their capture allocated
-                TOKEN_MAJOR.clear()
             self.graphs = UnitGraphs(run_forward, begin_backward, order, shapes, seq_len, params, device, dtype,
                                      capture=captured, end_backward=end_backward)
         except BaseException:   # a failed capture leaves the layers as they were for the next variant
@@ -175,8 +170,6 @@ class SlicedRun:
             uncompile_blocks(layers)
             unfuse(self.fused)
             raise
-        finally:
-            TOKEN_MAJOR.update(token_major)
 
     def close(self) -> None:
         """Put the deferred layers' forward back."""
@@ -274,21 +267,24 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
         if not_run or past_deadline():
             not_run.append(f"{label} {variant}")
             continue
-        mode_captured, weights, kernel, compile_them, fused_norm, head_major = variant
+        mode_captured, weights, kernel, compile_them, fused_norm = variant
         use_kernel(kernel)
         for slices in slice_counts:
             run = None
             try:
                 with variant_peak(device) as peak:   # activations, K/V, graph pools, merged W's joins
                     run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, mode_captured,
-                                    weights, compile_them, fused_norm, head_major)
+                                    weights, compile_them, fused_norm)
                     ins, gs = run.split(x, gy)
                     ms = timed(lambda: run.step(ins, gs), repeats, device)
-                if mode_captured and (kernel == "cudnn" or compile_them or fused_norm):   # one list per run
-                    # (W per sequence is split apart); the compiled and fused-norm variants' too: the
-                    # engine's fastest GPU mode and its default on CUDA
-                    samples.setdefault(weights + flags_label(compile_them, fused_norm), []).append(
-                        unit_samples(run, ins, gs))
+                if device.type == "cuda" and kernel_in_use() != kernel:   # not a second copy of the other's figures
+                    raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
+                if mode_captured and (kernel in ("cudnn", "cudnn-br") or compile_them or fused_norm):
+                    # one list per run (W per sequence is split apart); the compiled and fused-norm
+                    # variants' too: the engine's fastest GPU mode and its default on CUDA
+                    key = (weights + flags_label(compile_them, fused_norm)
+                           + (", cudnn-br" if kernel == "cudnn-br" else ""))
+                    samples.setdefault(key, []).append(unit_samples(run, ins, gs))
             except Exception as err:  # noqa: BLE001 -- the other variants still run
                 if run is not None:
                     run.close()
@@ -299,16 +295,16 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
                             "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
-                            "fused_norm": fused_norm, "head_major": head_major, "ms": ms, "whole_hf_ms": whole_hf,
+                            "fused_norm": fused_norm, "ms": ms, "whole_hf_ms": whole_hf,
                             "peak_mib": peak["mib"]})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
-                f"{flags_label(compile_them, fused_norm, head_major)}) {slices} slices: {ms:.2f} ms "
+                f"{flags_label(compile_them, fused_norm)}) {slices} slices: {ms:.2f} ms "
                 f"(HF whole {whole_hf:.2f})")
             run.close()
             del run
             _free(device)
     use_kernel("auto")
-    same = ("mode", "weight_grads", "attention", "compiled", "fused_norm", "head_major")
+    same = ("mode", "weight_grads", "attention", "compiled", "fused_norm")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
         one = [o["ms"] for o in records if o["slices"] == 1 and all(o[k] == r[k] for k in same)]
         r["whole_captured_ms"] = one[0] if one else None

@@ -117,12 +117,23 @@ def environment() -> dict:
            "torch": torch.__version__, "torch_cuda": torch.version.cuda,
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
            "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count()}
+           "python": platform.python_version(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+           "cudnn": torch.backends.cudnn.version() if cuda else None, "cudnn_frontend": _cudnn_frontend()}
     print("[gpu_check] " + ("; ".join(f"{k}: {v}" for k, v in env.items()) if cuda else
                             f"no CUDA: {gpu_missing(env)}; " + "; ".join(f"{k}: {env[k]}" for k in
                                                                          ("device_name", "torch", "deepspeed"))),
           flush=True)
     return env
+
+
+def _cudnn_frontend() -> str:
+    """The cuDNN frontend the ``cudnn-br`` variant runs, and the libcudnn it bound (torch's), or why none."""
+    from tp_trainer.model.attention_cudnn import frontend
+    try:
+        cudnn = frontend().cudnn
+        return f"{getattr(cudnn, '__version__', '?')} over cuDNN {cudnn.backend_version_string()}"
+    except Exception as err:  # noqa: BLE001 -- reported; the variant then fails with the same reason
+        return f"unavailable: {str(err).splitlines()[0][:200]}"
 
 
 def _cpu_name() -> str:

@@ -59,7 +59,7 @@ def test_cuda_path_needs_cuda_and_half_precision():
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
     assert not cuda_path(q, k, SliceSpan(6, 4), 0.0, {})   # a CPU tensor takes the CPU path
-    with pytest.raises(ValueError, match="auto, cudnn or flash"):
+    with pytest.raises(ValueError, match="auto, cudnn, flash, cudnn-br"):
         use_kernel("triton")
 
 

@@ -327,6 +327,28 @@ def test_slice_exactness_can_fail(monkeypatch):
     assert not result["passed"]
 
 
+def test_slice_exactness_records_a_variant_that_raises(monkeypatch):
+    """A variant that raises (a kernel cuDNN does not support, a failed capture) is a failed row that
+    names the error; the variants after it still run, and the step does not pass."""
+    import torch
+
+    import _gpu_capture as cap
+    import _gpu_slices
+    original = cap.SlicedRun.__init__
+
+    def patched(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured, weights="in B", *rest):
+        if weights == "W per slice":
+            raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+        original(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured, weights, *rest)
+    monkeypatch.setattr(cap.SlicedRun, "__init__", patched)
+    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
+    failed = [r for r in result["rows"] if not r["passed"]]
+    assert [r["variant"].split(" (failed")[0] for r in failed] == ["8 slices eager, W per slice"]
+    assert "no engine for this graph" in failed[0]["variant"]
+    assert result["rows"][-1]["variant"] == "8 slices eager, W per sequence" and result["rows"][-1]["passed"]
+    assert not result["passed"]
+
+
 def test_deadline_leaves_what_is_left_listed(tmp_path):
     """--deadline: past it nothing more starts, and the report says what was not run. A block set's
     later variants (here the compiled one), the engine step's engines (its file written all the same)

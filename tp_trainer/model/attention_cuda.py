@@ -19,9 +19,13 @@ flash below: on the H100, with weight gradients merged and every slice captured,
 for 1024-token and 512-token slices of the Llama pair (d 128; 8 slices 51.1 vs 54.6 ms, 16 slices
 57.4 vs 60.7 ms), flash for GPT-2 medium's 512- and 256-token slices (d 64; 4 slices 5.2 vs 5.9 ms,
 8 slices 8.0 vs 9.7 ms), the two even at 1024 x 64 and 256 x 128. A window (Mistral, Qwen2's
-sliding layers) takes ``flash``. ``TP_SLICE_ATTENTION=auto|flash|cudnn`` chooses; a cuDNN failure (an old cuDNN, an unsupported shape) switches to ``flash`` for the rest
-of the process, once, with a warning. Saved for backward either way: q, the output and the
-log-sum-exp (O(l)) and the K/V views (no copy).
+sliding layers) takes ``flash``.
+- ``cudnn-br`` (opt-in, not yet timed on a GPU): one cuDNN kernel with the diagonal aligned
+  bottom-right, through NVIDIA's cuDNN frontend package (``attention_cudnn``): no split, no join.
+``TP_SLICE_ATTENTION=auto|flash|cudnn|cudnn-br`` chooses. A cuDNN failure (an old cuDNN, an unsupported
+shape) switches to ``flash`` for the rest of the process, once, with a warning; ``cudnn-br``'s (the
+package missing, a graph cuDNN does not support) to ``cudnn``. Saved for backward either way: q, the
+output and the log-sum-exp (O(l)) and the K/V views (no copy).
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from typing import Callable
 
 import torch
 
+from . import attention_cudnn
+
+KERNELS = ("auto", "cudnn", "flash", "cudnn-br")
 _FLASH = torch.ops.aten._flash_attention_forward
 _CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "auto")}
 CUDNN_FROM = 65536   # slice tokens x head size from which "auto" takes cuDNN
@@ -134,14 +141,33 @@ def cuda_path(query, key, span, dropout: float, kwargs) -> bool:
 
 
 def kernel_in_use() -> str:
-    """"auto", "cudnn" or "flash": what unwindowed slices run now."""
+    """One of ``KERNELS``: what unwindowed slices run now."""
     return _CHOICE["kernel"]
 
 
+def fallback_reason() -> str:
+    """Why the last kernel that failed on a slice was given up (empty if none failed)."""
+    return _CHOICE.get("why", "")
+
+
+_NAMES = {"cudnn": "cuDNN's split attention", "flash": "the flash kernel",
+          "cudnn-br": "cuDNN's bottom-right attention"}
+
+
+def _fall_back(err: Exception, failed: str, to: str) -> None:
+    """Give up kernel ``failed``, which raised ``err`` on a slice, for ``to`` for the rest of the process
+    (not inside a capture: the graph would hold a half-recorded slice)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise err
+    _CHOICE["why"] = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+    warnings.warn(f"{_NAMES[failed]} failed on a slice ({_CHOICE['why']}); slices use {_NAMES[to]} from now on")
+    _CHOICE["kernel"] = to
+
+
 def use_kernel(name: str) -> None:
-    """Choose "auto", "cudnn" or "flash" for the slices that follow (benchmarks, debugging)."""
-    if name not in ("auto", "cudnn", "flash"):
-        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose auto, cudnn or flash")
+    """Choose one of ``KERNELS`` for the slices that follow (benchmarks, debugging)."""
+    if name not in KERNELS:
+        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose {', '.join(KERNELS)}")
     _CHOICE["kernel"] = name
 
 
@@ -156,15 +182,18 @@ def takes_cudnn(span, head_size: int) -> bool:
 def slice_attention_cuda(query, keys, values, span, scale) -> torch.Tensor:
     """The slice's attention, (b, l, heads, d): q (b, h, l, d), keys / values (b, g, c + l, d) the
     slice cache's views."""
+    if _CHOICE["kernel"] == "cudnn-br" and not span.windowed:
+        try:
+            scale = query.shape[-1] ** -0.5 if scale is None else scale
+            return attention_cudnn.BottomRightAttention.apply(query, keys, values, scale,
+                                                              attention_cudnn.frontend()).transpose(1, 2)
+        except Exception as err:  # noqa: BLE001 -- ImportError, cuDNN's own errors: the split runs instead
+            _fall_back(err, "cudnn-br", "cudnn")
     if takes_cudnn(span, query.shape[-1]):
         try:
             return SplitAttention.apply(query, keys, values, span.start, scale, CUDNN).transpose(1, 2)
         except RuntimeError as err:
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            warnings.warn(f"cuDNN attention failed on a slice ({str(err).splitlines()[0][:200]}); "
-                          "slices use the flash kernel from now on")
-            _CHOICE["kernel"] = "flash"
+            _fall_back(err, "cudnn", "flash")
     window = {"window_size_left": span.window - 1} if span.windowed else {}
     return _FLASH(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None,
                   span.length, keys.shape[2], 0.0, True, False, scale=scale, **window)[0]

@@ -1,0 +1,202 @@
+"""attention_cudnn: one bottom-right causal attention per slice (TP_SLICE_ATTENTION=cudnn-br).
+
+cuDNN needs a GPU, so here the autograd function runs against a float64 reference backend, and
+``CudnnFrontend`` (graph building, caching, the variant pack) against a stand-in ``cudnn`` module
+whose graphs execute that reference: what the GPU check then measures is cuDNN's kernels, not this
+plumbing."""
+
+import sys
+import types
+from enum import Enum
+
+import pytest
+import torch
+
+from tp_trainer.model import attention_cudnn
+from tp_trainer.model.attention_cudnn import BottomRightAttention, CudnnFrontend, loaded_library
+from test_attention_cuda import reference
+
+
+def _attend(q, k, v, scale):
+    """Bottom-right causal attention and its log-sum-exp (b, h, l, 1), GQA by repeat."""
+    start = k.shape[2] - q.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(groups, 1).transpose(-1, -2)) * scale
+    allowed = torch.arange(k.shape[2])[None] <= torch.arange(start, start + q.shape[2])[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return reference(q, k, v, start, scale), torch.logsumexp(scores, -1, keepdim=True)
+
+
+class ReferenceBackend:
+    """``BottomRightAttention``'s backend in float64 math, writing into the tensors it is given."""
+
+    def forward(self, q, k, v, out, stats, scale):
+        o, lse = _attend(q.double(), k.double(), v.double(), scale)
+        out.copy_(o)
+        stats.copy_(lse)
+
+    def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale):
+        with torch.enable_grad():
+            leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            grads = torch.autograd.grad(_attend(*leaves, scale)[0], leaves, dout.double())
+        for target, grad in zip((dq, dk, dv), grads):
+            target.copy_(grad)
+
+
+def _inputs(start, length, heads, kv_heads, token_major, dtype=torch.float64):
+    torch.manual_seed(start * 7 + length)
+    q = torch.randn(2, length, heads, 8, dtype=dtype).transpose(1, 2).requires_grad_()   # a projection's view
+
+    def cache_view():   # token-major: a view of a longer sequence buffer, as on CUDA
+        if token_major:
+            return torch.randn(2, start + length + 5, kv_heads, 8, dtype=dtype).transpose(1, 2)[:, :, :start + length]
+        return torch.randn(2, kv_heads, start + length, 8, dtype=dtype)
+    return q, cache_view().requires_grad_(), cache_view().requires_grad_()
+
+
+@pytest.mark.parametrize("token_major", [False, True])
+@pytest.mark.parametrize("start,length,heads,kv_heads", [(0, 5, 4, 4), (7, 5, 4, 2), (16, 3, 6, 3), (9, 9, 2, 1)])
+def test_bottom_right_attention_exact(start, length, heads, kv_heads, token_major):
+    q, k, v = _inputs(start, length, heads, kv_heads, token_major)
+    grad = torch.randn(2, heads, length, 8, dtype=torch.float64)
+    out = BottomRightAttention.apply(q, k, v, 8 ** -0.5, ReferenceBackend())
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref_out = reference(q, k, v, start, 8 ** -0.5)
+    want = torch.autograd.grad(ref_out, (q, k, v), grad)
+    assert torch.allclose(out, ref_out, rtol=0, atol=1e-12)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-11)
+    assert out.transpose(1, 2).is_contiguous()   # (b, l, h, d) memory: the output projection's input
+    assert got[1].stride() == torch.empty_like(k).stride()   # the cache's dimension order
+
+
+def test_bottom_right_is_not_top_left():
+    """The check above can fail: a top-left diagonal (queries 0..l-1) gives another output."""
+    q, k, v = _inputs(6, 4, 2, 2, False)
+    out = BottomRightAttention.apply(q, k, v, 8 ** -0.5, ReferenceBackend())
+    assert not torch.allclose(out, reference(q, k, v, 0, 8 ** -0.5), atol=1e-3)
+
+
+class _Node:
+    """A stand-in cudnn tensor: records what the graph sets on it."""
+
+    def __init__(self, name, **attrs):
+        self.name, self.attrs = name, dict(attrs)
+
+    def __getattr__(self, item):
+        if not item.startswith("set_"):
+            raise AttributeError(item)
+        return lambda value: (self.attrs.__setitem__(item[4:], value), self)[1]
+
+
+class _Graph:
+    def __init__(self, module, **kwargs):
+        self.module, self.kwargs, self.calls, self.op = module, kwargs, [], None
+        module.graphs.append(self)
+
+    def tensor(self, name, dim, stride, data_type):
+        return _Node(name, dim=dim, stride=stride, data_type=data_type)
+
+    def sdpa(self, **kwargs):
+        self.op = ("sdpa", kwargs)
+        return [_Node("o"), _Node("stats")]
+
+    def sdpa_backward(self, **kwargs):
+        self.op = ("sdpa_backward", kwargs)
+        return [_Node("dq"), _Node("dk"), _Node("dv")]
+
+    def __getattr__(self, item):   # validate, build_operation_graph, ...: recorded in order
+        return lambda *args, **kwargs: self.calls.append(item)
+
+    def get_workspace_size(self):
+        return 64
+
+    def execute(self, pack, workspace, handle):
+        assert handle == "handle-0" and workspace.numel() == 64
+        buffers = list(pack.values())
+        for node, t in pack.items():   # each buffer is the one the graph was built for
+            assert node.attrs["dim"] == list(t.shape) and node.attrs["stride"] == list(t.stride())
+        kind, kwargs = self.op
+        backend = ReferenceBackend()
+        if kind == "sdpa":
+            backend.forward(*buffers, kwargs["attn_scale"])
+        else:
+            backend.backward(*buffers, kwargs["attn_scale"])
+
+
+def _fake_cudnn():
+    module = types.SimpleNamespace(graphs=[], handles=0)
+    module.data_type = Enum("data_type", "BFLOAT16 HALF FLOAT")
+    module.diagonal_alignment = Enum("diagonal_alignment", "TOP_LEFT BOTTOM_RIGHT")
+    module.heur_mode = Enum("heur_mode", "A FALLBACK")
+    module.pygraph = lambda **kwargs: _Graph(module, **kwargs)
+
+    def create_handle():
+        module.handles += 1
+        return f"handle-{module.handles - 1}"
+    module.create_handle = create_handle
+    return module
+
+
+def test_frontend_builds_each_shape_once_and_runs_it():
+    """``CudnnFrontend`` over a stand-in ``cudnn``: bottom-right mask, stats generated, the graph's
+    steps in cuDNN's order, one forward and one backward graph per shape, reused."""
+    fake = _fake_cudnn()
+    backend = CudnnFrontend(fake)
+    for start in (7, 7, 3):
+        q, k, v = _inputs(start, 5, 4, 2, True, dtype=torch.float16)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out = BottomRightAttention.apply(q, k, v, 0.25, backend)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        want = reference(q64, k64, v64, start, 0.25)
+        assert torch.allclose(out.double(), want, atol=2e-3)
+        for a, b in zip(grads, torch.autograd.grad(want, (q64, k64, v64), torch.ones_like(want))):
+            assert torch.allclose(a.double(), b, atol=2e-2)
+    assert fake.handles == 1
+    assert [g.op[0] for g in fake.graphs] == ["sdpa", "sdpa_backward"] * 2   # start 7 twice: built once
+    for graph in fake.graphs:
+        assert graph.kwargs["io_data_type"] == fake.data_type.HALF
+        assert graph.calls == ["validate", "build_operation_graph", "create_execution_plans", "check_support",
+                               "build_plans"]
+        kwargs = graph.op[1]
+        assert kwargs["diagonal_alignment"] == fake.diagonal_alignment.BOTTOM_RIGHT
+        assert kwargs["diagonal_band_right_bound"] == 0 and kwargs["attn_scale"] == 0.25
+    assert fake.graphs[0].op[1]["generate_stats"] is True
+
+
+def test_frontend_names_the_package_when_missing(monkeypatch):
+    monkeypatch.delitem(attention_cudnn._FRONTEND, "backend", raising=False)
+    monkeypatch.setitem(sys.modules, "cudnn", None)   # import cudnn raises ImportError
+    with pytest.raises(ImportError, match="pip install nvidia-cudnn-frontend"):
+        attention_cudnn.frontend()
+
+
+def test_loaded_library_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0-7f1 r-xp 0 08:01 1 /usr/lib/libc.so.6\n"
+                    "7f2-7f3 r-xp 0 08:01 2 /site/nvidia/cudnn/lib/libcudnn_graph.so.9\n"
+                    "7f4-7f5 r-xp 0 08:01 3 /site/nvidia/cudnn/lib/libcudnn.so.9\n"
+                    "7f6-7f7 rw-p 0 00:00 0\n")
+    assert loaded_library(r"/libcudnn\.so\.\d+$", str(maps)) == "/site/nvidia/cudnn/lib/libcudnn.so.9"
+    assert loaded_library(r"/libnothing\.so", str(maps)) is None
+    assert loaded_library("x", str(tmp_path / "missing")) is None
+
+
+def test_a_failing_kernel_falls_back_once_with_its_reason(monkeypatch):
+    """cudnn-br without its package: the slice runs cuDNN's split instead (here on the CPU's kernels),
+    one warning names the reason, and the slices after it take the split directly."""
+    from tp_trainer.model import attention_cuda
+    from tp_trainer.model.attention import SliceSpan
+    monkeypatch.setattr(attention_cuda, "CUDNN", attention_cuda.CPU_FLASH)
+    monkeypatch.delitem(attention_cudnn._FRONTEND, "backend", raising=False)
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    attention_cuda.use_kernel("cudnn-br")
+    try:
+        q, k, v = _inputs(7, 5, 4, 2, False)
+        with pytest.warns(UserWarning, match="bottom-right attention failed.*pip install nvidia-cudnn-frontend"):
+            out = attention_cuda.slice_attention_cuda(q, k, v, SliceSpan(7, 5), 8 ** -0.5)
+        assert attention_cuda.kernel_in_use() == "cudnn"
+        assert "nvidia-cudnn-frontend" in attention_cuda.fallback_reason()
+        assert torch.allclose(out.transpose(1, 2), reference(q, k, v, 7, 8 ** -0.5), rtol=0, atol=1e-12)
+    finally:
+        attention_cuda.use_kernel("auto")

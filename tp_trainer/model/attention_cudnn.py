@@ -1,0 +1,174 @@
+"""A slice's attention as one cuDNN kernel with its causal diagonal aligned bottom-right
+(``TP_SLICE_ATTENTION=cudnn-br``; opt-in: not yet timed on a GPU).
+
+PyTorch's cuDNN attention aligns the causal diagonal top-left, so ``attention_cuda`` runs a slice
+[c, c + l) there as two attentions joined by their log-sum-exp (``SplitAttention``): per slice and
+layer two forward and two backward kernels, the join's float32 arithmetic and the K/V gradients'
+concatenation. On the H200 the 8 slices of the Llama 7B-width pair added 1.7 ms of cuDNN attention
+to the whole sequence's, and the K/V gradients' concatenation 0.2 ms (benchmarks/RESULTS.md). cuDNN itself
+takes the alignment as an attribute of its graph: NVIDIA's Python frontend (``pip install
+nvidia-cudnn-frontend``, the ``pygraph`` API of 1.16) builds ``sdpa(q, k, v, diagonal_alignment=
+BOTTOM_RIGHT, diagonal_band_right_bound=0)`` and its backward: one kernel each way over keys [0, c + l),
+with grouped-query K/V as they are (no repeat) and no mask built or saved.
+
+Graphs: one forward and one backward per (shapes, strides, dtype, scale, device), built at first use
+and kept for the process (``CudnnFrontend``). ``capture.UnitGraphs`` runs every unit eagerly before it
+captures, so they are built outside a capture. Each call points the cuDNN handle at torch's current
+stream (the capturing one under ``torch.cuda.graph``); the workspace is a torch tensor (from the graph
+pool under capture).
+
+Layout: the output is (b, l, h, d) in memory, handed to cuDNN as (b, h, l, d) strides, so the layer's
+output projection reads it with no transpose copy; dK / dV come out in the cache's layout (token-major
+on CUDA, ``slice_cache.TOKEN_MAJOR``), dQ in the query's. Saved for backward: q, the output, the
+log-sum-exp (O(l)) and the K/V views (no copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import torch
+
+PIN = "nvidia-cudnn-frontend==1.16.0"   # the pygraph API used here; later releases restructure the package
+INSTALL = f"pip install {PIN}"
+_FRONTEND: dict = {}
+
+
+class BottomRightAttention(torch.autograd.Function):
+    """softmax(q K^T, causal aligned bottom-right) V of one slice: q (b, h, l, d), keys / values
+    (b, g, c + l, d) with g dividing h; returns (b, h, l, d), a view of (b, l, h, d) memory.
+    ``backend``: ``forward(q, k, v, out, stats, scale)`` and ``backward(q, k, v, out, dout, stats, dq,
+    dk, dv, scale)`` writing into the tensors given (``CudnnFrontend``; a reference in the tests)."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, scale: float, backend):
+        b, h, length, d = query.shape
+        out = query.new_empty(b, length, h, d).transpose(1, 2)
+        stats = torch.empty(b, h, length, 1, dtype=torch.float32, device=query.device)   # log-sum-exp
+        backend.forward(query, keys, values, out, stats, scale)
+        ctx.save_for_backward(query, keys, values, out, stats)
+        ctx.scale, ctx.backend = scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, keys, values, out, stats = ctx.saved_tensors
+        dout = grad_out
+        if dout.stride() != out.stride():   # cuDNN reads dO as it reads O
+            dout = torch.empty_like(out).copy_(grad_out)
+        # empty_like keeps the dimension order of a view (token-major K/V stay token-major), dense
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(keys), torch.empty_like(values)
+        ctx.backend.backward(query, keys, values, out, dout, stats, dq, dk, dv, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+class CudnnFrontend:
+    """Builds, keeps and runs the bottom-right causal SDPA graphs through the ``cudnn`` module."""
+
+    def __init__(self, cudnn):
+        self.cudnn = cudnn
+        self.graphs: dict = {}
+        self.handles: dict = {}
+
+    def forward(self, q, k, v, out, stats, scale: float) -> None:
+        buffers = (q, k, v, out, stats)
+        self._run(("F", scale, *_layouts(buffers)), buffers, lambda g, t: self._sdpa_forward(g, t, scale))
+
+    def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale: float) -> None:
+        buffers = (q, k, v, out, dout, stats, dq, dk, dv)
+        self._run(("B", scale, *_layouts(buffers)), buffers, lambda g, t: self._sdpa_backward(g, t, scale))
+
+    def _run(self, key, buffers, add_op) -> None:
+        """Build (once per ``key``) and execute a graph over ``buffers``: inputs first, outputs last."""
+        device = buffers[0].device
+        handle = self._handle(device)
+        found = self.graphs.get((key, device))
+        if found is None:
+            found = self.graphs[(key, device)] = self._build(handle, buffers, add_op)
+        graph, tensors = found
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
+        graph.execute(dict(zip(tensors, buffers)), workspace, handle=handle)
+
+    def _handle(self, device):
+        """The device's cuDNN handle, pointed at torch's current stream."""
+        handle = self.handles.get(device)
+        if handle is None:
+            handle = self.handles[device] = self.cudnn.create_handle()
+        if device.type == "cuda":
+            self.cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        return handle
+
+    def _build(self, handle, buffers, add_op):
+        c = self.cudnn
+        io = {torch.bfloat16: c.data_type.BFLOAT16, torch.float16: c.data_type.HALF}[buffers[0].dtype]
+        graph = c.pygraph(io_data_type=io, intermediate_data_type=c.data_type.FLOAT,
+                          compute_data_type=c.data_type.FLOAT, handle=handle)
+        n_in = 3 if len(buffers) == 5 else 6
+        inputs = [graph.tensor(name=f"in{i}", dim=list(t.shape), stride=list(t.stride()), data_type=_cudnn_type(c, t))
+                  for i, t in enumerate(buffers[:n_in])]
+        outputs = add_op(graph, inputs)
+        for node, t in zip(outputs, buffers[n_in:]):
+            node.set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride())).set_data_type(_cudnn_type(c, t))
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        return graph, [*inputs, *outputs]
+
+    def _mask(self) -> dict:
+        return {"diagonal_alignment": self.cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
+
+    def _sdpa_forward(self, graph, tensors, scale):
+        q, k, v = tensors
+        return graph.sdpa(name="slice_sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, **self._mask())
+
+    def _sdpa_backward(self, graph, tensors, scale):
+        q, k, v, o, do, stats = tensors
+        return graph.sdpa_backward(name="slice_sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
+                                   attn_scale=scale, **self._mask())
+
+
+def _layouts(tensors) -> tuple:
+    return tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def _cudnn_type(cudnn, tensor):
+    return {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF,
+            torch.float32: cudnn.data_type.FLOAT}[tensor.dtype]
+
+
+def frontend() -> CudnnFrontend:
+    """The process's ``CudnnFrontend``, bound to the libcudnn torch loaded. ImportError naming the
+    package where ``cudnn`` (nvidia-cudnn-frontend) is not installed."""
+    if "backend" not in _FRONTEND:
+        try:
+            import cudnn
+        except ImportError as err:
+            raise ImportError(f"TP_SLICE_ATTENTION=cudnn-br needs NVIDIA's cuDNN frontend: {INSTALL}") from err
+        _bind_torch_cudnn(cudnn)
+        _FRONTEND["backend"] = CudnnFrontend(cudnn)
+    return _FRONTEND["backend"]
+
+
+def _bind_torch_cudnn(cudnn) -> None:
+    """Point the frontend at the libcudnn this process already runs (torch's), not another copy: its own
+    search looks in one site-packages folder only."""
+    bind = getattr(getattr(cudnn, "_pybind_module", None), "_set_dlhandle_cudnn", None)
+    path = loaded_library(r"/libcudnn\.so\.\d+$")
+    if bind is not None and path is not None:
+        bind(ctypes.cast(ctypes.CDLL(path)._handle, ctypes.c_void_p).value)
+
+
+def loaded_library(pattern: str, maps: str = "/proc/self/maps") -> str | None:
+    """The path of a shared library mapped into this process whose path matches ``pattern``."""
+    try:
+        with open(maps) as lines:
+            for line in lines:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if re.search(pattern, path):
+                    return path
+    except OSError:
+        return None
+    return None
