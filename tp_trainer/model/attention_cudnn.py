@@ -85,7 +85,7 @@ class CudnnFrontend:
         handle = self._handle(device)
         found = self.graphs.get((key, device))
         if found is None:
-            found = self.graphs[(key, device)] = self._build(handle, buffers, add_op)
+            found = self.graphs[(key, device)] = self._graph_for(handle, buffers, add_op)
         graph, tensors = found
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
         graph.execute(dict(zip(tensors, buffers)), workspace, handle=handle)
@@ -99,7 +99,7 @@ class CudnnFrontend:
             self.cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
         return handle
 
-    def _build(self, handle, buffers, add_op):
+    def _graph_for(self, handle, buffers, add_op):
         c = self.cudnn
         io = {torch.bfloat16: c.data_type.BFLOAT16, torch.float16: c.data_type.HALF}[buffers[0].dtype]
         graph = c.pygraph(io_data_type=io, intermediate_data_type=c.data_type.FLOAT,
