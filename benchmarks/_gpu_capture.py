@@ -109,6 +109,13 @@ def flags_label(compiled: bool = False, fused_norm: bool = False) -> str:
     return "".join(text for on, text in ((compiled, ", compiled"), (fused_norm, ", fused norm")) if on)
 
 
+def check_kernel(kernel: str, device) -> None:
+    """Raise where the attention kernel asked for gave up on a slice (``attention_cuda``'s fallback): the
+    figures just taken are another kernel's, a second copy of that kernel's variant."""
+    if device.type == "cuda" and kernel_in_use() != kernel:
+        raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
+
+
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
     """The variants timed on ``device``; the compiled ones (``compiled``) last: their compile costs the
     others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama)."""
@@ -277,8 +284,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                                     weights, compile_them, fused_norm)
                     ins, gs = run.split(x, gy)
                     ms = timed(lambda: run.step(ins, gs), repeats, device)
-                if device.type == "cuda" and kernel_in_use() != kernel:   # not a second copy of the other's figures
-                    raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
+                check_kernel(kernel, device)
                 if mode_captured and (kernel in ("cudnn", "cudnn-br") or compile_them or fused_norm):
                     # one list per run (W per sequence is split apart); the compiled and fused-norm
                     # variants' too: the engine's fastest GPU mode and its default on CUDA

@@ -60,23 +60,23 @@ def _run_whole(model, x, gy):
 
 def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto",
                 compiled: bool = False, fused_norm: bool = False):
-    cap.use_kernel(kernel)
     layers, ctx, _ = cap.wrap(model)
     params = cap.block_params(model)
     dtype = params[0].dtype
     for p in params:
         p.grad = torch.zeros_like(p)
-    run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured, weights,
-                        compiled, fused_norm)
-    ins, gs = run.split(x.to(dtype), gy.to(dtype))
-    if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
-        run.graphs.zero_grads()
-    outs, in_grads = run.step(ins, gs)
-    run.close()
-    ran = cap.kernel_in_use()
-    cap.use_kernel("auto")
-    if x.is_cuda and ran != kernel:   # the kernel gave up on a slice: these are another kernel's errors
-        raise RuntimeError(f"attention {kernel} fell back to {ran}: {cap.fallback_reason()}")
+    cap.use_kernel(kernel)
+    try:
+        run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured,
+                            weights, compiled, fused_norm)
+        ins, gs = run.split(x.to(dtype), gy.to(dtype))
+        if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
+            run.graphs.zero_grads()
+        outs, in_grads = run.step(ins, gs)
+        run.close()
+        cap.check_kernel(kernel, x.device)   # these errors must be the asked kernel's
+    finally:
+        cap.use_kernel("auto")
     return torch.cat([o.detach() for o in outs], 1), torch.cat(in_grads, 1), _grads(params)
 
 
@@ -113,7 +113,6 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
             try:
                 errors = [_rel(a, b) for a, b in zip(run(), ref)]
             except Exception as err:  # noqa: BLE001 -- a kernel that fails is a failed row, the rest still run
-                cap.use_kernel("auto")
                 errors = [float("nan")] * 3
                 name = f"{name} (failed: {cap.failure_text(err)[:160]})"
             rows.append({"dtype": str(dtype)[6:], "variant": name, "output": errors[0], "input_grad": errors[1],

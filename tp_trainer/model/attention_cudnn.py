@@ -72,23 +72,24 @@ class CudnnFrontend:
         self.handles: dict = {}
 
     def forward(self, q, k, v, out, stats, scale: float) -> None:
-        buffers = (q, k, v, out, stats)
-        self._run(("F", scale, *_layouts(buffers)), buffers, lambda g, t: self._sdpa_forward(g, t, scale))
+        self._run("F", scale, (q, k, v), (out, stats), lambda g, t: self._sdpa_forward(g, t, scale))
 
     def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale: float) -> None:
-        buffers = (q, k, v, out, dout, stats, dq, dk, dv)
-        self._run(("B", scale, *_layouts(buffers)), buffers, lambda g, t: self._sdpa_backward(g, t, scale))
+        self._run("B", scale, (q, k, v, out, dout, stats), (dq, dk, dv), lambda g, t: self._sdpa_backward(g, t, scale))
 
-    def _run(self, key, buffers, add_op) -> None:
-        """Build (once per ``key``) and execute a graph over ``buffers``: inputs first, outputs last."""
+    def _run(self, kind: str, scale: float, inputs, outputs, add_op) -> None:
+        """Build (once per kind, scale and layouts) and execute the graph reading ``inputs`` and writing
+        ``outputs``; ``add_op(graph, input nodes)`` adds the attention and returns its output nodes."""
+        buffers = (*inputs, *outputs)
         device = buffers[0].device
+        key = (kind, scale, device, *_layouts(buffers))
         handle = self._handle(device)
-        found = self.graphs.get((key, device))
+        found = self.graphs.get(key)
         if found is None:
-            found = self.graphs[(key, device)] = self._graph_for(handle, buffers, add_op)
-        graph, tensors = found
+            found = self.graphs[key] = self._graph_for(handle, inputs, outputs, add_op)
+        graph, nodes = found
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-        graph.execute(dict(zip(tensors, buffers)), workspace, handle=handle)
+        graph.execute(dict(zip(nodes, buffers)), workspace, handle=handle)
 
     def _handle(self, device):
         """The device's cuDNN handle, pointed at torch's current stream."""
@@ -99,23 +100,21 @@ class CudnnFrontend:
             self.cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
         return handle
 
-    def _graph_for(self, handle, buffers, add_op):
+    def _graph_for(self, handle, inputs, outputs, add_op):
         c = self.cudnn
-        io = {torch.bfloat16: c.data_type.BFLOAT16, torch.float16: c.data_type.HALF}[buffers[0].dtype]
-        graph = c.pygraph(io_data_type=io, intermediate_data_type=c.data_type.FLOAT,
+        graph = c.pygraph(io_data_type=_cudnn_type(c, inputs[0]), intermediate_data_type=c.data_type.FLOAT,
                           compute_data_type=c.data_type.FLOAT, handle=handle)
-        n_in = 3 if len(buffers) == 5 else 6
-        inputs = [graph.tensor(name=f"in{i}", dim=list(t.shape), stride=list(t.stride()), data_type=_cudnn_type(c, t))
-                  for i, t in enumerate(buffers[:n_in])]
-        outputs = add_op(graph, inputs)
-        for node, t in zip(outputs, buffers[n_in:]):
+        in_nodes = [graph.tensor(name=f"in{i}", dim=list(t.shape), stride=list(t.stride()), data_type=_cudnn_type(c, t))
+                    for i, t in enumerate(inputs)]
+        out_nodes = add_op(graph, in_nodes)
+        for node, t in zip(out_nodes, outputs):
             node.set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride())).set_data_type(_cudnn_type(c, t))
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([c.heur_mode.A, c.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
-        return graph, [*inputs, *outputs]
+        return graph, [*in_nodes, *out_nodes]
 
     def _mask(self) -> dict:
         return {"diagonal_alignment": self.cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
@@ -166,9 +165,9 @@ def loaded_library(pattern: str, maps: str = "/proc/self/maps") -> str | None:
     try:
         with open(maps) as lines:
             for line in lines:
-                path = line.split()[-1] if len(line.split()) >= 6 else ""
-                if re.search(pattern, path):
-                    return path
+                fields = line.split()   # address, perms, offset, device, inode[, path]
+                if len(fields) >= 6 and re.search(pattern, fields[-1]):
+                    return fields[-1]
     except OSError:
         return None
     return None
