@@ -36,7 +36,7 @@ from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 
 from _gpu_attention_memory import attention_bytes, variant_peak
 from _gpu_cost import uniform_offsets
-from _gpu_profile import failure_text, top_kernels
+from _gpu_profile import PROFILE_MODES, failure_text, top_kernels
 
 SETS = {  # label: (family, hidden, heads, kv heads, intermediate, blocks, seq_len)
     "gpt2-medium": ("gpt2", 1024, 16, 16, 4096, 4, 2048),
@@ -133,6 +133,8 @@ def variants(device, compiled: bool = True, family: str | None = None) -> list[V
         found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
     if compiled and device.type == "cuda" and family == "llama":   # both: the fastest the engine offers
         found.append(Variant(True, "W per sequence", "auto", compiled=True, fused_norm=True))
+        # and with one bottom-right kernel per slice: no split, no join left eager between the graphs
+        found.append(Variant(True, "W per sequence", "cudnn-br", compiled=True, fused_norm=True))
     return found
 
 
@@ -318,7 +320,8 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
     try:
         kernels = attention_kernels(layers, ctx, params, hidden, seq_len, device, dtype)
         profiles = {"whole_hf": top_kernels(whole_step, device),
-                    **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled)}
+                    **sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled,
+                                      family == "llama")}
         attn_bytes = attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype)
     except Exception as err:  # noqa: BLE001 -- recorded, the rest of the step still reported
         kernels = {"error": failure_text(err)}
@@ -330,27 +333,32 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             "profiles": profiles, "failures": failures, "not_run": not_run}
 
 
-def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled: bool = True) -> dict:
+def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled: bool = True,
+                    fused_norm: bool = False) -> dict:
     """``top_kernels`` of 1 and 8 slices eager (weight gradients in B) and, on CUDA, captured as the
     engine runs its blocks (weight gradients once per sequence, kernel auto), also compiled around
-    their attention (``compiled``); a run that fails is recorded as {"error"}, the others still run."""
+    their attention (``compiled``), and with cuDNN's bottom-right kernel (RMSNorms fused where
+    ``fused_norm``: the engine's default on CUDA); a run that fails, or whose kernel fell back, is
+    recorded as {"error"}, the others still run."""
     profiles = {}
-    runs = [("one_slice_eager", 1, False, False), ("eight_slices_eager", 8, False, False),
-            ("one_slice_captured", 1, True, False), ("eight_slices_captured", 8, True, False)]
-    if compiled:
-        runs += [("one_slice_captured_compiled", 1, True, True), ("eight_slices_captured_compiled", 8, True, True)]
-    for name, slices, captured, compile_them in runs:
+    runs = [(f"{count}_{mode}", slices, *how) for mode, (_, *how) in PROFILE_MODES.items()
+            for count, slices in (("one_slice", 1), ("eight_slices", 8)) if compiled or not how[1]]
+    for name, slices, captured, compile_them, kernel in runs:
         if captured and device.type != "cuda":
             continue
         run = None
+        use_kernel(kernel)
         try:
             run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, captured,
-                            "W per sequence" if captured else "in B", compile_them)
+                            "W per sequence" if captured else "in B", compile_them,
+                            fused_norm and kernel == "cudnn-br")
             ins, gs = run.split(x, gy)
             profiles[name] = top_kernels(lambda: run.step(ins, gs), device, count=40)
+            check_kernel(kernel, device)
         except Exception as err:  # noqa: BLE001 -- recorded, the other profiles still run
             profiles[name] = {"error": failure_text(err)}
         finally:
+            use_kernel("auto")
             if run is not None:
                 run.close()
             _free(device)

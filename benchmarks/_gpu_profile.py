@@ -1,5 +1,7 @@
 """What the GPU check records when a run is looked into or fails: the kernels of one run
-(``top_kernels``, from torch's profiler) and an exception's chain, root cause first (``failure_text``).
+(``top_kernels``, from torch's profiler), what each further slice adds to them
+(``per_slice_kernel_lines``, over the runs of ``PROFILE_MODES``) and an exception's chain, root cause
+first (``failure_text``).
 """
 
 from __future__ import annotations
@@ -7,6 +9,14 @@ from __future__ import annotations
 import traceback
 
 import torch
+
+
+# The runs ``_gpu_capture.sliced_profiles`` profiles at 1 and 8 slices ("one_slice_<mode>",
+# "eight_slices_<mode>"): mode -> (what the report calls it, captured, compiled, attention kernel)
+PROFILE_MODES = {"eager": ("eager", False, False, "auto"), "captured": ("captured", True, False, "auto"),
+                 "captured_compiled": ("captured, compiled", True, True, "auto"),
+                 "captured_cudnn_br": ("captured, cudnn-br (RMSNorms fused where the blocks have them)", True, False,
+                                       "cudnn-br")}
 
 
 def top_kernels(run, device, count: int = 15) -> dict:
@@ -41,3 +51,18 @@ def failure_text(err: BaseException, limit: int = 1500) -> str:
     root = chain[-1]
     trace = "".join(traceback.format_exception(type(root), root, root.__traceback__, chain=False))
     return "\n".join(["exceptions, the root cause first:", *lines, "", "its traceback (end):", trace[-limit:]])
+
+
+def per_slice_kernel_lines(label: str, prof: dict) -> list[str]:
+    """What each further slice adds, from the profiles of 1 and 8 slices of one mode: kernel launches
+    and device time per slice, and device time per added launch (a slice's fixed cost is mostly its
+    small kernels' own: the bytes they move are the same however the sequence is cut)."""
+    lines = []
+    for mode, (words, *_) in PROFILE_MODES.items():
+        one, eight = prof.get(f"one_slice_{mode}") or {}, prof.get(f"eight_slices_{mode}") or {}
+        if "calls" not in one or "calls" not in eight or eight["calls"] <= one["calls"]:
+            continue
+        calls, ms = (eight["calls"] - one["calls"]) / 7, (eight["device_ms"] - one["device_ms"]) / 7
+        lines += ["", f"Each further slice, {label}, {words}: {calls:.0f} kernel launches, "
+                  f"{ms:.3f} ms of device time ({ms / calls * 1e3:.2f} us a launch)."]
+    return lines

@@ -32,7 +32,7 @@ import torch
 
 import _gpu_capture as cap
 from _gpu_plan import plans, simulate
-from _gpu_profile import failure_text
+from _gpu_profile import failure_text, per_slice_kernel_lines
 from _gpu_stage import BLOCKS as ENGINE_BLOCKS   # the engine step's kinds of blocks, in its order
 
 SLICE_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -297,21 +297,6 @@ def engine_step_lines(step: dict) -> list[str]:
     for name, err in step.get("errors", {}).items():
         lines += ["", f"**engine step, {name} failed**:", "", "```", err.strip()[-3000:], "```"]
     return lines + [""]
-
-
-def per_slice_kernel_lines(label: str, prof: dict) -> list[str]:
-    """What each further slice adds, from the profiles of 1 and 8 slices of one mode: kernel launches
-    and device time per slice, and device time per added launch (a slice's fixed cost is mostly its
-    small kernels' own: the bytes they move are the same however the sequence is cut)."""
-    lines = []
-    for mode in ("eager", "captured", "captured_compiled"):
-        one, eight = prof.get(f"one_slice_{mode}") or {}, prof.get(f"eight_slices_{mode}") or {}
-        if "calls" not in one or "calls" not in eight or eight["calls"] <= one["calls"]:
-            continue
-        calls, ms = (eight["calls"] - one["calls"]) / 7, (eight["device_ms"] - one["device_ms"]) / 7
-        lines += ["", f"Each further slice, {label}, {mode.replace('_', ', ')}: {calls:.0f} kernel launches, "
-                  f"{ms:.3f} ms of device time ({ms / calls * 1e3:.2f} us a launch)."]
-    return lines
 
 
 def _variant_name(record: dict) -> str:
