@@ -30,7 +30,6 @@ from typing import NamedTuple
 import torch
 
 from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, use_kernel
-from tp_trainer.model.capture import WEIGHT_MODES
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 
@@ -118,13 +117,15 @@ def check_kernel(kernel: str, device) -> None:
 
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
     """The variants timed on ``device``; the compiled ones (``compiled``) last: their compile costs the
-    others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama)."""
+    others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama). Settled and no
+    longer timed (benchmarks/RESULTS.md, one H100 and five H200 runs): weight gradients per slice
+    (slower than once per sequence every time) and flash for every slice length (slower than cuDNN's
+    for the Llama pair's 1024-token slices, even with ``auto`` at GPT-2 medium's)."""
     if device.type != "cuda":
         found = [Variant(False, "in B", "auto")]
     else:
         llama = family == "llama"
-        found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in WEIGHT_MODES]
-                 + [Variant(True, "W per sequence", "flash")]
+        found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in ("in B", "W per sequence")]
                  + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if llama else [])
                  # one bottom-right cuDNN kernel per slice (attention_cudnn), as the engine would run it
                  + [Variant(True, "W per sequence", "cudnn-br", fused_norm=llama)]

@@ -30,6 +30,8 @@ import traceback
 
 import torch
 
+from tp_trainer.model.capture import WEIGHT_MODES
+
 import _gpu_capture as cap
 from _gpu_plan import plans, simulate
 from _gpu_profile import failure_text, per_slice_kernel_lines
@@ -103,7 +105,7 @@ def exactness(spec, device, low_dtype, seq_len: int, slices: int = 8, compiled: 
                          for v in cap.variants(device, compiled, spec[0]) if v.captured]
         else:   # the deferred weight gradients' paths and the compiled blocks' graph breaks, eagerly
             variants += [(f"{slices} slices eager, {w}", lambda w=w: _run_sliced(model, x, gy, slices, False, w))
-                         for w in cap.WEIGHT_MODES[1:]]
+                         for w in WEIGHT_MODES[1:]]
             if compiled:
                 backend = cap.compile_backend(device)
                 variants += [(f"{slices} slices eager, {w}, compiled ({backend})",
