@@ -335,24 +335,24 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
 
 
 def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, compiled: bool = True,
-                    fused_norm: bool = False) -> dict:
-    """``top_kernels`` of 1 and 8 slices eager (weight gradients in B) and, on CUDA, captured as the
-    engine runs its blocks (weight gradients once per sequence, kernel auto), also compiled around
-    their attention (``compiled``), and with cuDNN's bottom-right kernel (RMSNorms fused where
-    ``fused_norm``: the engine's default on CUDA); a run that fails, or whose kernel fell back, is
-    recorded as {"error"}, the others still run."""
+                    has_norms: bool = False) -> dict:
+    """``top_kernels`` of 1 and 8 slices of each of ``PROFILE_MODES``: eager (weight gradients in B) and,
+    on CUDA, captured as the engine runs its blocks (weight gradients once per sequence, kernel auto),
+    also compiled around their attention (``compiled``), and with cuDNN's bottom-right kernel (RMSNorms
+    fused where the blocks have them, ``has_norms``: the engine's default on CUDA); a run that fails, or
+    whose kernel fell back, is recorded as {"error"}, the others still run."""
     profiles = {}
-    runs = [(f"{count}_{mode}", slices, *how) for mode, (_, *how) in PROFILE_MODES.items()
-            for count, slices in (("one_slice", 1), ("eight_slices", 8)) if compiled or not how[1]]
-    for name, slices, captured, compile_them, kernel in runs:
+    runs = [(f"{count}_{mode}", slices, captured, compile_them, kernel, fuse and has_norms)
+            for mode, (_, captured, compile_them, kernel, fuse) in PROFILE_MODES.items()
+            for count, slices in (("one_slice", 1), ("eight_slices", 8)) if compiled or not compile_them]
+    for name, slices, captured, compile_them, kernel, fused_norm in runs:
         if captured and device.type != "cuda":
             continue
         run = None
         use_kernel(kernel)
         try:
             run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, captured,
-                            "W per sequence" if captured else "in B", compile_them,
-                            fused_norm and kernel == "cudnn-br")
+                            "W per sequence" if captured else "in B", compile_them, fused_norm)
             ins, gs = run.split(x, gy)
             profiles[name] = top_kernels(lambda: run.step(ins, gs), device, count=40)
             check_kernel(kernel, device)

@@ -12,11 +12,13 @@ import torch
 
 
 # The runs ``_gpu_capture.sliced_profiles`` profiles at 1 and 8 slices ("one_slice_<mode>",
-# "eight_slices_<mode>"): mode -> (what the report calls it, captured, compiled, attention kernel)
-PROFILE_MODES = {"eager": ("eager", False, False, "auto"), "captured": ("captured", True, False, "auto"),
-                 "captured_compiled": ("captured, compiled", True, True, "auto"),
+# "eight_slices_<mode>"): mode -> (what the report calls it, captured, compiled, attention kernel,
+# RMSNorms fused where the blocks have them)
+PROFILE_MODES = {"eager": ("eager", False, False, "auto", False),
+                 "captured": ("captured", True, False, "auto", False),
+                 "captured_compiled": ("captured, compiled", True, True, "auto", False),
                  "captured_cudnn_br": ("captured, cudnn-br (RMSNorms fused where the blocks have them)", True, False,
-                                       "cudnn-br")}
+                                       "cudnn-br", True)}
 
 
 def top_kernels(run, device, count: int = 15) -> dict:
