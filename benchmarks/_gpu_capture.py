@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, use_kernel
+from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, measured_kernel, use_kernel
+from tp_trainer.model.attention_cudnn import available as bottom_right_available
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 
@@ -109,33 +110,36 @@ def flags_label(compiled: bool = False, fused_norm: bool = False) -> str:
 
 
 def check_kernel(kernel: str, device) -> None:
-    """Raise where the attention kernel asked for gave up on a slice (``attention_cuda``'s fallback): the
-    figures just taken are another kernel's, a second copy of that kernel's variant."""
-    if device.type == "cuda" and kernel_in_use() != kernel:
+    """Raise where the attention kernel asked for gave up on a slice (``attention_cuda``'s fallback), or
+    "auto" gave up the bottom-right kernel it had: the figures just taken are another kernel's."""
+    if device.type != "cuda":
+        return
+    gave_up_br = kernel == "auto" and bottom_right_available() and measured_kernel("cuda", "bf16") == "auto"
+    if kernel_in_use() != kernel or gave_up_br:
         raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
 
 
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
     """The variants timed on ``device``; the compiled ones (``compiled``) last: their compile costs the
-    others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama). Settled and no
-    longer timed (benchmarks/RESULTS.md, one H100 and five H200 runs): weight gradients per slice
-    (slower than once per sequence every time) and flash for every slice length (slower than cuDNN's
-    for the Llama pair's 1024-token slices, even with ``auto`` at GPT-2 medium's)."""
+    others nothing. The fused-norm ones on CUDA for a ``family`` with RMSNorms (llama). "auto" takes
+    the bottom-right kernel where the frontend is installed, so "W per sequence" with ``cudnn`` and
+    with ``auto`` compare the split with it side by side; ``cudnn-br`` itself for GPT-2 medium, whose
+    short slices "auto" gives flash. Settled and no longer timed (benchmarks/RESULTS.md, one H100 and
+    six H200 runs): weight gradients per slice (slower than once per sequence every time) and flash
+    for every slice length (slower than cuDNN's for the Llama pair's 1024-token slices, even with
+    ``auto`` at GPT-2 medium's)."""
     if device.type != "cuda":
         found = [Variant(False, "in B", "auto")]
     else:
         llama = family == "llama"
         found = ([Variant(False, "in B", "auto")] + [Variant(True, w, "cudnn") for w in ("in B", "W per sequence")]
-                 + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if llama else [])
-                 # one bottom-right cuDNN kernel per slice (attention_cudnn), as the engine would run it
-                 + [Variant(True, "W per sequence", "cudnn-br", fused_norm=llama)]
+                 + ([Variant(True, "W per sequence", "auto", fused_norm=True)] if llama
+                    else [Variant(True, "W per sequence", "cudnn-br")])
                  + [Variant(True, "W per sequence", "auto")])
     if compiled:
         found.append(Variant(device.type == "cuda", found[-1].weights, "auto", compiled=True))
     if compiled and device.type == "cuda" and family == "llama":   # both: the fastest the engine offers
         found.append(Variant(True, "W per sequence", "auto", compiled=True, fused_norm=True))
-        # and with one bottom-right kernel per slice: no split, no join left eager between the graphs
-        found.append(Variant(True, "W per sequence", "cudnn-br", compiled=True, fused_norm=True))
     return found
 
 
@@ -338,8 +342,8 @@ def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, 
                     has_norms: bool = False) -> dict:
     """``top_kernels`` of 1 and 8 slices of each of ``PROFILE_MODES``: eager (weight gradients in B) and,
     on CUDA, captured as the engine runs its blocks (weight gradients once per sequence, kernel auto),
-    also compiled around their attention (``compiled``), and with cuDNN's bottom-right kernel (RMSNorms
-    fused where the blocks have them, ``has_norms``: the engine's default on CUDA); a run that fails, or
+    also compiled around their attention (``compiled``), and with the RMSNorms fused where the blocks
+    have them (``has_norms``: the engine's default on CUDA); a run that fails, or
     whose kernel fell back, is recorded as {"error"}, the others still run."""
     profiles = {}
     runs = [(f"{count}_{mode}", slices, captured, compile_them, kernel, fuse and has_norms)

@@ -17,8 +17,8 @@ import torch
 PROFILE_MODES = {"eager": ("eager", False, False, "auto", False),
                  "captured": ("captured", True, False, "auto", False),
                  "captured_compiled": ("captured, compiled", True, True, "auto", False),
-                 "captured_cudnn_br": ("captured, cudnn-br (RMSNorms fused where the blocks have them)", True, False,
-                                       "cudnn-br", True)}
+                 "captured_fused_norm": ("captured, RMSNorms fused where the blocks have them (the engine's default "
+                                         "on CUDA)", True, False, "auto", True)}
 
 
 def top_kernels(run, device, count: int = 15) -> dict:

@@ -127,7 +127,7 @@ def environment() -> dict:
 
 
 def _cudnn_frontend() -> str:
-    """The cuDNN frontend the ``cudnn-br`` variant runs, and the libcudnn it bound (torch's), or why none."""
+    """The cuDNN frontend that "auto" and the ``cudnn-br`` variant run, and the libcudnn it bound (torch's), or why none."""
     from tp_trainer.model.attention_cudnn import frontend
     try:
         cudnn = frontend().cudnn

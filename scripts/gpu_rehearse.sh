@@ -55,7 +55,7 @@ if not report.get("slice_cost"):
 if problems:
     sys.exit("error: the rehearsal's gpu_check report has " + "; ".join(problems))
 env = report["environment"]
-if not str(env.get("cudnn_frontend") or "")[:1].isdigit():   # the cudnn-br variant's package, bound to torch's libcudnn
+if not str(env.get("cudnn_frontend") or "")[:1].isdigit():   # the bottom-right kernel's package, bound to torch's libcudnn
     sys.exit(f"error: the cuDNN frontend did not load under the lent machine's torch: {env.get('cudnn_frontend')}")
 print(f"[gpu_rehearse] gpu_check under Python {env['python']}, torch {env['torch']}: "
       f"{len(report['slice_cost'])} slice_cost records, exactness passed, no errors; "

@@ -165,10 +165,12 @@ def test_frontend_builds_each_shape_once_and_runs_it():
 
 
 def test_frontend_names_the_package_when_missing(monkeypatch):
-    monkeypatch.delitem(attention_cudnn._FRONTEND, "backend", raising=False)
+    monkeypatch.setattr(attention_cudnn, "_FRONTEND", {})
     monkeypatch.setitem(sys.modules, "cudnn", None)   # import cudnn raises ImportError
-    with pytest.raises(ImportError, match="pip install nvidia-cudnn-frontend"):
-        attention_cudnn.frontend()
+    for _ in range(2):   # the second call answers from the first's record
+        with pytest.raises(ImportError, match="pip install nvidia-cudnn-frontend"):
+            attention_cudnn.frontend()
+    assert attention_cudnn.available() is False
 
 
 def test_loaded_library_reads_the_process_maps(tmp_path):
@@ -182,21 +184,108 @@ def test_loaded_library_reads_the_process_maps(tmp_path):
     assert loaded_library("x", str(tmp_path / "missing")) is None
 
 
-def test_a_failing_kernel_falls_back_once_with_its_reason(monkeypatch):
+@pytest.fixture
+def cpu_slices(monkeypatch):
+    """``slice_attention_cuda`` on the CPU: the split runs on the CPU's kernels, from any slice size, and
+    no frontend is loaded yet; the kernel choice is "auto" again afterwards."""
+    from tp_trainer.model import attention_cuda
+    monkeypatch.setattr(attention_cuda, "CUDNN", attention_cuda.CPU_FLASH)
+    monkeypatch.setattr(attention_cuda, "CUDNN_FROM", 0)
+    monkeypatch.setattr(attention_cuda, "BR_FROM", 0)
+    monkeypatch.setattr(attention_cudnn, "_FRONTEND", {})
+    yield attention_cuda
+    attention_cuda.use_kernel("auto")
+
+
+def _check_slice(attention_cuda, start, length=5):
+    """One slice through ``slice_attention_cuda`` in float32 (the stand-in graphs take no float64),
+    against the float64 reference."""
+    from tp_trainer.model.attention import SliceSpan
+    q, k, v = _inputs(start, length, 4, 2, False)
+    out = attention_cuda.slice_attention_cuda(q.float(), k.float(), v.float(), SliceSpan(start, length), 8 ** -0.5)
+    assert torch.allclose(out.transpose(1, 2).double(), reference(q, k, v, start, 8 ** -0.5), rtol=0, atol=1e-5)
+
+
+def test_auto_takes_the_bottom_right_kernel_for_slices_with_context(cpu_slices, monkeypatch):
+    """Where the frontend loads, "auto" runs a slice with context as one bottom-right graph and a
+    context-free slice through the split's one causal kernel (the same square, where PyTorch's cuDNN
+    backward skips the masked half); a slice under ``BR_FROM`` tokens x head size takes the others."""
+    from tp_trainer.model.attention import SliceSpan
+    fake = _fake_cudnn()
+    attention_cudnn._FRONTEND["backend"] = CudnnFrontend(fake)
+    monkeypatch.setattr(cpu_slices, "BR_FROM", 5 * 8)
+    _check_slice(cpu_slices, 0)
+    assert fake.graphs == []
+    _check_slice(cpu_slices, 7)
+    assert [g.op[0] for g in fake.graphs] == ["sdpa"]   # forward only: the check takes no gradient
+    _check_slice(cpu_slices, 7, length=4)   # 4 x 8 < BR_FROM
+    assert len(fake.graphs) == 1
+    takes = cpu_slices.takes_bottom_right
+    assert takes(SliceSpan(7, 5), 8) and not takes(SliceSpan(7, 5, window=4), 8)
+    cpu_slices.use_kernel("cudnn-br")   # chosen: any size, still not a context-free slice
+    assert takes(SliceSpan(7, 4), 8) and not takes(SliceSpan(0, 5), 8)
+    for kernel in ("cudnn", "flash"):
+        cpu_slices.use_kernel(kernel)
+        assert not takes(SliceSpan(7, 5), 8)
+
+
+def test_auto_without_the_package_runs_the_split_silently(cpu_slices, monkeypatch, recwarn):
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    _check_slice(cpu_slices, 7)
+    _check_slice(cpu_slices, 7)
+    assert cpu_slices.kernel_in_use() == "auto" and not recwarn.list
+    assert "nvidia-cudnn-frontend" in attention_cudnn._FRONTEND["missing"]   # tried once
+
+
+class _Refusing:
+    """A frontend whose graphs cuDNN does not support."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        raise RuntimeError("cudnn: no execution plan supports this graph")
+
+
+def test_auto_gives_up_a_failing_bottom_right_kernel_once(cpu_slices):
+    refusing = attention_cudnn._FRONTEND["backend"] = _Refusing()
+    with pytest.warns(UserWarning, match="bottom-right attention failed.*no execution plan.*split or flash"):
+        _check_slice(cpu_slices, 7)
+    _check_slice(cpu_slices, 7)
+    assert refusing.calls == 1 and cpu_slices.kernel_in_use() == "auto"
+    cpu_slices.use_kernel("auto")   # chosen again: tried again
+    with pytest.warns(UserWarning, match="bottom-right attention failed"):
+        _check_slice(cpu_slices, 7)
+    assert refusing.calls == 2
+
+
+def test_a_failing_kernel_falls_back_once_with_its_reason(cpu_slices, monkeypatch):
     """cudnn-br without its package: the slice runs cuDNN's split instead (here on the CPU's kernels),
     one warning names the reason, and the slices after it take the split directly."""
-    from tp_trainer.model import attention_cuda
-    from tp_trainer.model.attention import SliceSpan
-    monkeypatch.setattr(attention_cuda, "CUDNN", attention_cuda.CPU_FLASH)
-    monkeypatch.delitem(attention_cudnn._FRONTEND, "backend", raising=False)
     monkeypatch.setitem(sys.modules, "cudnn", None)
-    attention_cuda.use_kernel("cudnn-br")
-    try:
-        q, k, v = _inputs(7, 5, 4, 2, False)
-        with pytest.warns(UserWarning, match="bottom-right attention failed.*pip install nvidia-cudnn-frontend"):
-            out = attention_cuda.slice_attention_cuda(q, k, v, SliceSpan(7, 5), 8 ** -0.5)
-        assert attention_cuda.kernel_in_use() == "cudnn"
-        assert "nvidia-cudnn-frontend" in attention_cuda.fallback_reason()
-        assert torch.allclose(out.transpose(1, 2), reference(q, k, v, 7, 8 ** -0.5), rtol=0, atol=1e-12)
-    finally:
-        attention_cuda.use_kernel("auto")
+    cpu_slices.use_kernel("cudnn-br")
+    with pytest.warns(UserWarning, match="bottom-right attention failed.*pip install nvidia-cudnn-frontend"):
+        _check_slice(cpu_slices, 7)
+    assert cpu_slices.kernel_in_use() == "cudnn"
+    assert "nvidia-cudnn-frontend" in cpu_slices.fallback_reason()
+
+
+def test_cost_models_record_the_bottom_right_kernel(cpu_slices, monkeypatch):
+    """A cost model measured with the bottom-right kernel says so (``planner.auto.measured_settings``):
+    its slices with context cost otherwise than the split's."""
+    kernel = cpu_slices.measured_kernel
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    assert kernel("cuda", "bf16") == kernel("cpu", "bf16") == "auto"
+    monkeypatch.setattr(attention_cudnn, "_FRONTEND", {"backend": CudnnFrontend(_fake_cudnn())})
+    assert kernel("cuda", "bf16") == "auto with cudnn-br" and kernel("cuda", "fp32") == kernel("cpu", "bf16") == "auto"
+    cpu_slices.use_kernel("flash")
+    assert kernel("cuda", "fp16") == "flash"
+
+
+def test_the_cuda_extra_installs_the_pinned_frontend():
+    """``pip install .[cuda]`` brings the frontend release whose API this module uses."""
+    import tomllib
+    from pathlib import Path
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["cuda"] == [attention_cudnn.PIN]

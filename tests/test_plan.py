@@ -62,6 +62,9 @@ def test_fused_rms_norm_is_on_with_cuda_by_default(setting, on_cuda, on_cpu):
                                                            "computes on cpu and in fp32"),
     ("gpt2", {"cuda_graphs": True}, False, "was measured with captured blocks (terapipe.cuda_graphs), this "
                                            "run computes with eager blocks"),
+    ("gpt2", {"attention": "auto with cudnn-br"}, False, "was measured with slice attention auto with "
+                                                         "cudnn-br (TP_SLICE_ATTENTION), this run computes "
+                                                         "with slice attention auto (TP_SLICE_ATTENTION)"),
     ("gpt2", {}, True, None),            # GPT-2 has no RMSNorm: fused_rms_norm changes nothing it runs
     ("llama", {"fused_norm": True}, True, None),
     ("llama", {}, "auto", None),         # a file from before the key: HF's norms, on a CPU, in fp32

@@ -254,8 +254,9 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: 
 
 # What a cost model without the key was measured with: files written before a setting was recorded
 # came from runs that had only this value (fp32 before precision, HF's norms before fused ones, eager
-# profiles before captured ones, CPUs).
-UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False, "cuda_graphs": False}
+# profiles before captured ones, CPUs, the split or flash slice attention before the bottom-right one).
+UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False, "cuda_graphs": False,
+                       "attention": "auto"}
 
 
 def _setting_words(key: str, value) -> str:
@@ -264,6 +265,8 @@ def _setting_words(key: str, value) -> str:
         return "with fused RMSNorms (terapipe.fused_rms_norm)" if value else "with HF's RMSNorms"
     if key == "cuda_graphs":
         return "with captured blocks (terapipe.cuda_graphs)" if value else "with eager blocks"
+    if key == "attention":
+        return f"with slice attention {value} (TP_SLICE_ATTENTION)"
     return f"{'on' if key == 'device' else 'in'} {value}"
 
 

@@ -1,7 +1,7 @@
 """A slice's attention over the cache on CUDA (fp16 / bf16): no mask built or saved, K/V never repeated.
 
 Slice [c, c + l) attends to keys [0, c + l): query i (position c + i) sees keys <= c + i, i.e. causal
-aligned bottom-right. Two kernels do that without a mask:
+aligned bottom-right. Three kernels do that without a mask:
 
 - ``flash``: ``aten::_flash_attention_forward`` (PyTorch's FlashAttention-2) with ``is_causal``,
   which aligns the diagonal bottom-right when the query is shorter than the keys; it takes the
@@ -14,18 +14,26 @@ aligned bottom-right. Two kernels do that without a mask:
   part [c, c + l) causal (square, where both alignments agree), joined by their log-sum-exp; each
   part's backward runs with the joint output and log-sum-exp, which gives the exact gradients (as
   ring attention does). The context's K/V gradient and the own part's come out separately.
-``auto`` (the default) takes cuDNN for a slice of l tokens with head size d where l x d >= 65536,
+Between these two, ``auto`` takes cuDNN for a slice of l tokens with head size d where l x d >= 65536,
 flash below: on the H100, with weight gradients merged and every slice captured, cuDNN was faster
 for 1024-token and 512-token slices of the Llama pair (d 128; 8 slices 51.1 vs 54.6 ms, 16 slices
 57.4 vs 60.7 ms), flash for GPT-2 medium's 512- and 256-token slices (d 64; 4 slices 5.2 vs 5.9 ms,
 8 slices 8.0 vs 9.7 ms), the two even at 1024 x 64 and 256 x 128. A window (Mistral, Qwen2's
 sliding layers) takes ``flash``.
-- ``cudnn-br`` (opt-in, not yet timed on a GPU): one cuDNN kernel with the diagonal aligned
-  bottom-right, through NVIDIA's cuDNN frontend package (``attention_cudnn``): no split, no join.
+- ``cudnn-br``: one cuDNN kernel with the diagonal aligned bottom-right, through NVIDIA's cuDNN
+  frontend package (``attention_cudnn``): no split, no join. On the H200 (Llama pair, fused norms,
+  captured, W per sequence) 8 slices took 42.09 vs 42.89 ms with the split, 32 slices 56.15 vs 62.36 ms
+  with flash; GPT-2 medium's 256- and 64-token slices (d 64) as flash, within 1%. Only for a slice with
+  context: on a context-free slice (the first, or the whole sequence) the alignments agree, and its
+  backward took twice PyTorch's cuDNN kernel's (8192 tokens, 2 layers: 11.06 vs 5.62 ms; it computes
+  the masked half), so that slice goes the other way.
+``auto`` (the default) takes ``cudnn-br`` for a slice with context where the frontend is installed
+and l x d >= 32768 (``BR_FROM``), else cuDNN's split for l x d >= 65536 and flash below, as above.
 ``TP_SLICE_ATTENTION=auto|flash|cudnn|cudnn-br`` chooses. A cuDNN failure (an old cuDNN, an unsupported
-shape) switches to ``flash`` for the rest of the process, once, with a warning; ``cudnn-br``'s (the
-package missing, a graph cuDNN does not support) to ``cudnn``. Saved for backward either way: q, the
-output and the log-sum-exp (O(l)) and the K/V views (no copy).
+shape) switches to ``flash`` for the rest of the process, once, with a warning; the bottom-right
+kernel's (a graph cuDNN does not support; ``cudnn-br`` without the package) to the split, and ``auto``
+stops trying it. Saved for backward either way: q, the output and the log-sum-exp (O(l)) and the K/V
+views (no copy).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from . import attention_cudnn
 KERNELS = ("auto", "cudnn", "flash", "cudnn-br")
 _FLASH = torch.ops.aten._flash_attention_forward
 _CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "auto")}
-CUDNN_FROM = 65536   # slice tokens x head size from which "auto" takes cuDNN
+CUDNN_FROM = 65536   # slice tokens x head size from which "auto" takes cuDNN's split
+BR_FROM = 32768      # ... and, for a slice with context, the bottom-right kernel where it is installed
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,7 @@ def fallback_reason() -> str:
 
 
 _NAMES = {"cudnn": "cuDNN's split attention", "flash": "the flash kernel",
-          "cudnn-br": "cuDNN's bottom-right attention"}
+          "cudnn-br": "cuDNN's bottom-right attention", "auto": "the split or flash kernel by slice size"}
 
 
 def _fall_back(err: Exception, failed: str, to: str) -> None:
@@ -162,17 +171,41 @@ def _fall_back(err: Exception, failed: str, to: str) -> None:
     _CHOICE["why"] = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
     warnings.warn(f"{_NAMES[failed]} failed on a slice ({_CHOICE['why']}); slices use {_NAMES[to]} from now on")
     _CHOICE["kernel"] = to
+    _CHOICE["bottom_right_off"] = _CHOICE.get("bottom_right_off") or failed == "cudnn-br"
 
 
 def use_kernel(name: str) -> None:
-    """Choose one of ``KERNELS`` for the slices that follow (benchmarks, debugging)."""
+    """Choose one of ``KERNELS`` for the slices that follow (benchmarks, debugging); a kernel given up
+    earlier is tried again."""
     if name not in KERNELS:
         raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose {', '.join(KERNELS)}")
     _CHOICE["kernel"] = name
+    _CHOICE.pop("bottom_right_off", None)
+
+
+def measured_kernel(device_type: str, dtype: str) -> str:
+    """The slice attention a run's costs depend on, as a cost model records it: on CUDA in fp16 / bf16
+    the kernel choice, "auto" saying whether the bottom-right kernel is in it; "auto" elsewhere (one
+    kernel there)."""
+    kernel = _CHOICE["kernel"]
+    if device_type != "cuda" or dtype == "fp32":
+        return "auto"
+    if kernel == "auto" and not _CHOICE.get("bottom_right_off") and attention_cudnn.available():
+        return "auto with cudnn-br"
+    return kernel
+
+
+def takes_bottom_right(span, head_size: int) -> bool:
+    """Whether a slice runs cuDNN's bottom-right kernel: an unwindowed slice with context, under
+    ``cudnn-br``, or under ``auto`` where l x d >= ``BR_FROM`` and the frontend loads."""
+    kernel = _CHOICE["kernel"]
+    if span.windowed or not span.start or kernel not in ("auto", "cudnn-br") or _CHOICE.get("bottom_right_off"):
+        return False
+    return kernel == "cudnn-br" or (span.length * head_size >= BR_FROM and attention_cudnn.available())
 
 
 def takes_cudnn(span, head_size: int) -> bool:
-    """Whether a slice runs cuDNN's split attention (else flash)."""
+    """Whether a slice that does not take the bottom-right kernel runs cuDNN's split (else flash)."""
     kernel = _CHOICE["kernel"]
     if span.windowed or kernel == "flash":
         return False
@@ -182,13 +215,13 @@ def takes_cudnn(span, head_size: int) -> bool:
 def slice_attention_cuda(query, keys, values, span, scale) -> torch.Tensor:
     """The slice's attention, (b, l, heads, d): q (b, h, l, d), keys / values (b, g, c + l, d) the
     slice cache's views."""
-    if _CHOICE["kernel"] == "cudnn-br" and not span.windowed:
+    if takes_bottom_right(span, query.shape[-1]):
         try:
             scale = query.shape[-1] ** -0.5 if scale is None else scale
             return attention_cudnn.BottomRightAttention.apply(query, keys, values, scale,
                                                               attention_cudnn.frontend()).transpose(1, 2)
         except Exception as err:  # noqa: BLE001 -- ImportError, cuDNN's own errors: the split runs instead
-            _fall_back(err, "cudnn-br", "cudnn")
+            _fall_back(err, "cudnn-br", "cudnn" if _CHOICE["kernel"] == "cudnn-br" else "auto")
     if takes_cudnn(span, query.shape[-1]):
         try:
             return SplitAttention.apply(query, keys, values, span.start, scale, CUDNN).transpose(1, 2)

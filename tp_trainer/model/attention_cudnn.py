@@ -1,5 +1,6 @@
 """A slice's attention as one cuDNN kernel with its causal diagonal aligned bottom-right
-(``TP_SLICE_ATTENTION=cudnn-br``; opt-in: not yet timed on a GPU).
+(``TP_SLICE_ATTENTION=cudnn-br``, and ``auto``'s choice for slices with context where the package is
+installed: ``attention_cuda`` gives the figures).
 
 PyTorch's cuDNN attention aligns the causal diagonal top-left, so ``attention_cuda`` runs a slice
 [c, c + l) there as two attentions joined by their log-sum-exp (``SplitAttention``): per slice and
@@ -140,15 +141,28 @@ def _cudnn_type(cudnn, tensor):
 
 def frontend() -> CudnnFrontend:
     """The process's ``CudnnFrontend``, bound to the libcudnn torch loaded. ImportError naming the
-    package where ``cudnn`` (nvidia-cudnn-frontend) is not installed."""
+    package where ``cudnn`` (nvidia-cudnn-frontend) is not installed (tried once a process: a failed
+    import is not cached by Python, and "auto" asks on every slice)."""
     if "backend" not in _FRONTEND:
+        if "missing" in _FRONTEND:
+            raise ImportError(_FRONTEND["missing"])
         try:
             import cudnn
         except ImportError as err:
-            raise ImportError(f"TP_SLICE_ATTENTION=cudnn-br needs NVIDIA's cuDNN frontend: {INSTALL}") from err
+            _FRONTEND["missing"] = f"cuDNN's bottom-right attention needs NVIDIA's cuDNN frontend: {INSTALL}"
+            raise ImportError(_FRONTEND["missing"]) from err
         _bind_torch_cudnn(cudnn)
         _FRONTEND["backend"] = CudnnFrontend(cudnn)
     return _FRONTEND["backend"]
+
+
+def available() -> bool:
+    """Whether the frontend loads in this process ("auto" takes the bottom-right kernel only then)."""
+    try:
+        frontend()
+    except ImportError:
+        return False
+    return True
 
 
 def _bind_torch_cudnn(cudnn) -> None:

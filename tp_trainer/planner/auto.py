@@ -189,12 +189,13 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
 
 def measured_settings(device_type: str, dtype: str, fused_norm: bool, config, captured: bool = False) -> dict:
     """What a cost model's times depend on beside the model: the device type, the compute dtype,
-    whether the RMSNorms ran fused (false where the family has none to fuse) and whether the blocks
-    ran from CUDA graphs. Written into the cost model's meta; a run reading it
-    (``checks.read_cost_model``) compares its own."""
+    whether the RMSNorms ran fused (false where the family has none to fuse), whether the blocks
+    ran from CUDA graphs and the slice attention kernel (``attention_cuda.measured_kernel``). Written
+    into the cost model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
+    from ..model.attention_cuda import measured_kernel
     from ..model.fused_norm import config_has_fusable_norms
     return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config)),
-            "cuda_graphs": bool(captured)}
+            "cuda_graphs": bool(captured), "attention": measured_kernel(device_type, dtype)}
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
