@@ -118,6 +118,22 @@ def test_the_gpu_variants_compare_the_split_with_auto_and_end_with_the_compiled_
     assert cap.variants(torch.device("cpu"), False) == [cap.Variant(False, "in B", "auto")]
 
 
+def test_the_gpu_exactness_check_takes_the_bottom_right_kernel_for_every_set():
+    """Its slices are short (seq 1024 in 8), where "auto" takes flash: the bottom-right kernel is
+    checked in its own row, once per set."""
+    import torch
+
+    import _gpu_capture as cap
+    import _gpu_slices
+    cuda = torch.device("cuda")
+    for family, fused in (("llama", True), ("gpt2", False)):
+        rows = _gpu_slices.exact_variants(cuda, True, family)
+        assert [v for v in rows if v.kernel == "cudnn-br"] == [cap.Variant(True, "W per sequence", "cudnn-br",
+                                                                           fused_norm=fused)]
+        assert all(v.captured for v in rows) and rows[:-1] == [v for v in cap.variants(cuda, True, family)
+                                                               if v.captured][:len(rows) - 1]
+
+
 def test_compiled_variants_on_the_cpu():
     """The slice step's compiled variant (blocks compiled around their attention; aot_eager on a CPU):
     its records beside the eager ones, matched to its own 1-slice time, in the report's table."""
