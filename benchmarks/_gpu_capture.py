@@ -29,8 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, measured_kernel, use_kernel
-from tp_trainer.model.attention_cudnn import available as bottom_right_available
+from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, use_kernel
 from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
 
@@ -110,12 +109,10 @@ def flags_label(compiled: bool = False, fused_norm: bool = False) -> str:
 
 
 def check_kernel(kernel: str, device) -> None:
-    """Raise where the attention kernel asked for gave up on a slice (``attention_cuda``'s fallback), or
-    "auto" gave up the bottom-right kernel it had: the figures just taken are another kernel's."""
-    if device.type != "cuda":
-        return
-    gave_up_br = kernel == "auto" and bottom_right_available() and measured_kernel("cuda", "bf16") == "auto"
-    if kernel_in_use() != kernel or gave_up_br:
+    """Raise where a kernel was given up on a slice since ``use_kernel(kernel)`` (``attention_cuda``'s
+    fallback: the one asked for, or the bottom-right one that "auto" had): the figures just taken are
+    another kernel's."""
+    if device.type == "cuda" and (kernel_in_use() != kernel or fallback_reason()):
         raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
 
 

@@ -254,7 +254,9 @@ def test_auto_gives_up_a_failing_bottom_right_kernel_once(cpu_slices):
         _check_slice(cpu_slices, 7)
     _check_slice(cpu_slices, 7)
     assert refusing.calls == 1 and cpu_slices.kernel_in_use() == "auto"
-    cpu_slices.use_kernel("auto")   # chosen again: tried again
+    assert "no execution plan" in cpu_slices.fallback_reason()   # what gpu_check's check_kernel reports
+    cpu_slices.use_kernel("auto")   # chosen again: tried again, the reason forgotten
+    assert cpu_slices.fallback_reason() == ""
     with pytest.warns(UserWarning, match="bottom-right attention failed"):
         _check_slice(cpu_slices, 7)
     assert refusing.calls == 2

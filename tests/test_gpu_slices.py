@@ -220,3 +220,26 @@ def test_slice_exactness_records_a_variant_that_raises(monkeypatch):
     assert "no engine for this graph" in failed[0]["variant"]
     assert result["rows"][-1]["variant"] == "8 slices eager, W per sequence" and result["rows"][-1]["passed"]
     assert not result["passed"]
+
+
+def test_check_kernel_refuses_figures_taken_after_a_fallback():
+    """A kernel given up since ``use_kernel`` (the bottom-right one that "auto" had, here) fails the
+    variant, though "auto" is still the kernel in use; choosing the kernel again clears it."""
+    import pytest
+    import torch
+
+    import _gpu_capture as cap
+    from tp_trainer.model import attention_cuda
+    cuda = torch.device("cuda")   # check_kernel reads the device's type only
+    cap.use_kernel("auto")
+    try:
+        cap.check_kernel("auto", cuda)
+        with pytest.warns(UserWarning, match="bottom-right attention failed"):
+            attention_cuda._fall_back(RuntimeError("no execution plan"), "cudnn-br", "auto")
+        assert attention_cuda.kernel_in_use() == "auto"
+        with pytest.raises(RuntimeError, match="attention auto fell back to auto: no execution plan"):
+            cap.check_kernel("auto", cuda)
+        cap.check_kernel("auto", torch.device("cpu"))   # a CPU has no kernel to fall back from
+    finally:
+        cap.use_kernel("auto")
+    cap.check_kernel("auto", cuda)

@@ -155,7 +155,7 @@ def kernel_in_use() -> str:
 
 
 def fallback_reason() -> str:
-    """Why the last kernel that failed on a slice was given up (empty if none failed)."""
+    """Why a kernel was given up on a slice since the last ``use_kernel`` (empty if none was)."""
     return _CHOICE.get("why", "")
 
 
@@ -171,37 +171,40 @@ def _fall_back(err: Exception, failed: str, to: str) -> None:
     _CHOICE["why"] = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
     warnings.warn(f"{_NAMES[failed]} failed on a slice ({_CHOICE['why']}); slices use {_NAMES[to]} from now on")
     _CHOICE["kernel"] = to
-    _CHOICE["bottom_right_off"] = _CHOICE.get("bottom_right_off") or failed == "cudnn-br"
+    if failed == "cudnn-br":
+        _CHOICE["bottom_right_off"] = True
 
 
 def use_kernel(name: str) -> None:
     """Choose one of ``KERNELS`` for the slices that follow (benchmarks, debugging); a kernel given up
-    earlier is tried again."""
+    earlier is tried again, and its reason forgotten."""
     if name not in KERNELS:
         raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose {', '.join(KERNELS)}")
     _CHOICE["kernel"] = name
     _CHOICE.pop("bottom_right_off", None)
+    _CHOICE.pop("why", None)
+
+
+def _auto_has_bottom_right() -> bool:
+    """Whether "auto" is chosen and takes the bottom-right kernel: not given up, and the frontend loads."""
+    return _CHOICE["kernel"] == "auto" and not _CHOICE.get("bottom_right_off") and attention_cudnn.available()
 
 
 def measured_kernel(device_type: str, dtype: str) -> str:
     """The slice attention a run's costs depend on, as a cost model records it: on CUDA in fp16 / bf16
     the kernel choice, "auto" saying whether the bottom-right kernel is in it; "auto" elsewhere (one
     kernel there)."""
-    kernel = _CHOICE["kernel"]
     if device_type != "cuda" or dtype == "fp32":
         return "auto"
-    if kernel == "auto" and not _CHOICE.get("bottom_right_off") and attention_cudnn.available():
-        return "auto with cudnn-br"
-    return kernel
+    return "auto with cudnn-br" if _auto_has_bottom_right() else _CHOICE["kernel"]
 
 
 def takes_bottom_right(span, head_size: int) -> bool:
     """Whether a slice runs cuDNN's bottom-right kernel: an unwindowed slice with context, under
     ``cudnn-br``, or under ``auto`` where l x d >= ``BR_FROM`` and the frontend loads."""
-    kernel = _CHOICE["kernel"]
-    if span.windowed or not span.start or kernel not in ("auto", "cudnn-br") or _CHOICE.get("bottom_right_off"):
+    if span.windowed or not span.start:
         return False
-    return kernel == "cudnn-br" or (span.length * head_size >= BR_FROM and attention_cudnn.available())
+    return _CHOICE["kernel"] == "cudnn-br" or (span.length * head_size >= BR_FROM and _auto_has_bottom_right())
 
 
 def takes_cudnn(span, head_size: int) -> bool:
