@@ -222,6 +222,33 @@ def test_slice_exactness_records_a_variant_that_raises(monkeypatch):
     assert not result["passed"]
 
 
+def test_a_variant_failing_mid_step_leaves_the_layers_as_they_were(monkeypatch):
+    """A variant that raises after its run rerouted the shared model's layers (deferred weight
+    gradients) is closed all the same: the next row starts from the HF layers' own forward."""
+    import torch
+
+    import _gpu_capture as cap
+    import _gpu_slices
+    original_step, original_init, seen, rerouted = cap.SlicedRun.step, cap.SlicedRun.__init__, [], []
+
+    def failing(self, *args, **kwargs):
+        if self.deferred and not seen:
+            seen.extend(self.deferred)
+            raise RuntimeError("an illegal memory access was encountered")
+        return original_step(self, *args, **kwargs)
+
+    def starting(self, *args, **kwargs):
+        rerouted.append(any("forward" in vars(module) for module in seen))
+        original_init(self, *args, **kwargs)
+    monkeypatch.setattr(cap.SlicedRun, "step", failing)
+    monkeypatch.setattr(cap.SlicedRun, "__init__", starting)
+    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
+    failed = [r for r in result["rows"] if not r["passed"]]
+    assert [r["variant"].split(" (failed")[0] for r in failed] == ["8 slices eager, W per slice"]
+    assert seen and rerouted and not any(rerouted)   # every row started after the failed one included
+    assert result["rows"][-1]["variant"] == "8 slices eager, W per sequence" and result["rows"][-1]["passed"]
+
+
 def test_check_kernel_refuses_figures_taken_after_a_fallback():
     """A kernel given up since ``use_kernel`` (the bottom-right one that "auto" had, here) fails the
     variant, though "auto" is still the kernel in use; choosing the kernel again clears it."""
