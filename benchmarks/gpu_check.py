@@ -10,7 +10,8 @@ Steps (each result says which device it ran on; a step that cannot run here says
      ``tp_trainer/model/capture.py``) with three placements of the weight gradients and two
      attention kernels: GPT-2 medium blocks at seq 2048 and a Llama pair of 7B width at seq 8192, 1 to
      32 slices, against HF's blocks on the whole sequence; the attention kernels a slice runs and its
-     attention memory against its context; exactness against float64; the planner's DP on the
+     attention memory against its context; the Llama pair's slice attention alone at 1 and 8 slices
+     by the mask's spelling to cuDNN (``_gpu_attention_time.py``); exactness against float64; the planner's DP on the
      measured costs; simulated pipelines of 2, 4 and 8 stages; a whole 1-stage engine step (embedding,
      the Llama pair, head, loss, optimizer) at 1 and 8 slices, blocks eager and captured
      (``terapipe.cuda_graphs``, ``_gpu_stage.py``). On a CPU: two tiny sets, eager only.

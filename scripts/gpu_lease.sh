@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU runs first, in one device call (run from the repository root there, wheels carried
 # in .whl as scripts/gpu_wheels.sh makes them): gpu_check --quick (the slice step, engine step and peak
-# memory; DEADLINE s, default 280, then ~40 s of report), then the planner step (--steps autoplan, cut
+# memory; DEADLINE s, default 300, then ~40 s of report), then the planner step (--steps autoplan, cut
 # at 200 s). Reports under OUT/gc and OUT/ap; prints their summaries.
 #   bash scripts/gpu_lease.sh OUT [DEADLINE]
 # GPU_CHECK_PYTHON (default python3: the image's CUDA torch) and GPU_CHECK_WHEELS (default .whl) as
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_lease.sh OUT [DEADLINE]}
 mkdir -p "$out"
 export GPU_CHECK_PYTHON=${GPU_CHECK_PYTHON:-python3} GPU_CHECK_WHEELS=${GPU_CHECK_WHEELS-.whl}
-bash scripts/gpu_check.sh --quick --deadline "${2:-280}" --out "$out/gc" > "$out/quick.log" 2>&1
+bash scripts/gpu_check.sh --quick --deadline "${2:-300}" --out "$out/gc" > "$out/quick.log" 2>&1
 echo "[gpu_lease] quick: rc=$?"
 timeout 200 bash scripts/gpu_check.sh --steps autoplan --out "$out/ap" > "$out/autoplan.log" 2>&1
 echo "[gpu_lease] autoplan: rc=$?"

@@ -112,20 +112,44 @@ class _Graph:
         return 64
 
     def execute(self, pack, workspace, handle):
-        assert handle == "handle-0" and workspace.numel() == 64
-        buffers = list(pack.values())
+        """cuDNN's math in float64 for the mask the graph was given (the spelling under test), writing
+        into the buffers of the variant pack."""
+        assert handle in self.module.made and workspace.numel() == 64
         for node, t in pack.items():   # each buffer is the one the graph was built for
             assert node.attrs["dim"] == list(t.shape) and node.attrs["stride"] == list(t.stride())
         kind, kwargs = self.op
-        backend = ReferenceBackend()
+        buffers = list(pack.values())
+        q, k, v = (t.double() for t in buffers[:3])
+        allowed = _allowed(self.module, q.shape[2], k.shape[2], kwargs)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        scores = (q @ k.transpose(-1, -2) * kwargs["attn_scale"]).masked_fill(~allowed, float("-inf"))
         if kind == "sdpa":
-            backend.forward(*buffers, kwargs["attn_scale"])
-        else:
-            backend.backward(*buffers, kwargs["attn_scale"])
+            stats = torch.logsumexp(scores, -1, keepdim=True)
+            buffers[3].copy_(torch.softmax(scores, -1) @ v)
+            buffers[4].copy_(stats)
+            return
+        out, dout, stats = (t.double() for t in buffers[3:6])
+        probs = torch.exp(scores - stats)   # this graph's keys' share of the joint softmax
+        dscores = probs * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+        grads = (dscores @ k * kwargs["attn_scale"], dscores.transpose(-1, -2) @ q * kwargs["attn_scale"],
+                 probs.transpose(-1, -2) @ dout)
+        b, kv_heads, n, d = buffers[1].shape
+        buffers[6].copy_(grads[0])
+        for target, grad in zip(buffers[7:], grads[1:]):   # grouped-query heads summed per K/V head
+            target.copy_(grad.reshape(b, kv_heads, groups, n, d).sum(2))
+
+
+def _allowed(module, q_len, kv_len, kwargs):
+    """The (q_len, kv_len) keys each query sees under the graph's mask attributes (none: all)."""
+    if "diagonal_alignment" not in kwargs:
+        return torch.ones(q_len, kv_len, dtype=torch.bool)
+    shift = kv_len - q_len if kwargs["diagonal_alignment"] == module.diagonal_alignment.BOTTOM_RIGHT else 0
+    return torch.arange(kv_len)[None] <= torch.arange(q_len)[:, None] + shift + kwargs["diagonal_band_right_bound"]
 
 
 def _fake_cudnn():
-    module = types.SimpleNamespace(graphs=[], handles=0)
+    module = types.SimpleNamespace(graphs=[], handles=0, made=[])
     module.data_type = Enum("data_type", "BFLOAT16 HALF FLOAT")
     module.diagonal_alignment = Enum("diagonal_alignment", "TOP_LEFT BOTTOM_RIGHT")
     module.heur_mode = Enum("heur_mode", "A FALLBACK")
@@ -133,7 +157,8 @@ def _fake_cudnn():
 
     def create_handle():
         module.handles += 1
-        return f"handle-{module.handles - 1}"
+        module.made.append(f"handle-{module.handles - 1}")
+        return module.made[-1]
     module.create_handle = create_handle
     return module
 
@@ -162,6 +187,53 @@ def test_frontend_builds_each_shape_once_and_runs_it():
         assert kwargs["diagonal_alignment"] == fake.diagonal_alignment.BOTTOM_RIGHT
         assert kwargs["diagonal_band_right_bound"] == 0 and kwargs["attn_scale"] == 0.25
     assert fake.graphs[0].op[1]["generate_stats"] is True
+
+
+def _through_frontend(backend, start, length=5):
+    """One slice (fp16, token-major K/V, grouped-query) through ``backend``: its output and gradients
+    against the float64 reference's."""
+    q, k, v = _inputs(start, length, 4, 2, True, dtype=torch.float16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    grad = torch.randn(2, 4, length, 8, dtype=torch.float64)
+    out = BottomRightAttention.apply(q, k, v, 0.25, backend)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    want_out = reference(q64, k64, v64, start, 0.25)
+    want = torch.autograd.grad(want_out, (q64, k64, v64), grad)
+    return max([float((out.detach().double() - want_out.detach()).abs().max())]
+               + [float((a.double() - b).abs().max()) for a, b in zip(got, want)])
+
+
+@pytest.mark.parametrize("spelling,backward_masks", [
+    ("bottom-right", [("BOTTOM_RIGHT", 0)]),
+    ("top-left band", [("TOP_LEFT", 7)]),
+    ("split backward", [None, ("TOP_LEFT", 0)]),   # the context's keys unmasked, then the slice's own
+])
+def test_each_mask_spelling_computes_the_slice(spelling, backward_masks):
+    """The three spellings of a slice's mask (``CudnnFrontend.spelling``): the same output and
+    gradients as the reference, through the graphs each says (here 7 tokens of context)."""
+    fake = _fake_cudnn()
+    backend = CudnnFrontend(fake, spelling)
+    assert _through_frontend(backend, 7) < 5e-3
+    masks = [(g.op[0], g.op[1].get("diagonal_alignment"), g.op[1].get("diagonal_band_right_bound"))
+             for g in fake.graphs]
+    forward = ("TOP_LEFT", 7) if spelling == "top-left band" else ("BOTTOM_RIGHT", 0)
+    assert masks[0] == ("sdpa", fake.diagonal_alignment[forward[0]], forward[1])
+    assert masks[1:] == [("sdpa_backward", *((fake.diagonal_alignment[m[0]], m[1]) if m else (None, None)))
+                         for m in backward_masks]
+    before = len(fake.graphs)
+    assert _through_frontend(backend, 0) < 5e-3   # a context-free slice: one graph each way
+    assert [g.op[0] for g in fake.graphs[before:]] == ["sdpa", "sdpa_backward"]
+
+
+def test_a_wrong_mask_spelling_is_caught():
+    """The check above can fail: top-left causal without the band is another mask for a slice with
+    context, and an unknown spelling is refused with the choices."""
+    backend = CudnnFrontend(_fake_cudnn())
+    backend._mask = lambda q_len, kv_len, top_left: {"diagonal_alignment": backend.cudnn.diagonal_alignment.TOP_LEFT,
+                                                     "diagonal_band_right_bound": 0}
+    assert _through_frontend(backend, 7) > 0.1
+    with pytest.raises(ValueError, match="bottom-right, top-left band, split backward"):
+        CudnnFrontend(_fake_cudnn(), "top-right")
 
 
 def test_frontend_names_the_package_when_missing(monkeypatch):

@@ -1,7 +1,7 @@
 """benchmarks/_gpu_slices.py and _gpu_capture.py, the GPU check's slice step, on a CPU: the merged
 weight gradients taken out of the units and planned once, the captured variants' samples and plans,
 the per-slice kernel lines, the variants a GPU times, the compiled variants' plumbing, each variant's
-peak memory, and exactness rows that fail or raise.
+peak memory, and exactness rows that fail or raise (`_gpu_exactness.py`).
 """
 
 import os
@@ -124,10 +124,10 @@ def test_the_gpu_exactness_check_takes_the_bottom_right_kernel_for_every_set():
     import torch
 
     import _gpu_capture as cap
-    import _gpu_slices
+    import _gpu_exactness
     cuda = torch.device("cuda")
     for family, fused in (("llama", True), ("gpt2", False)):
-        rows = _gpu_slices.exact_variants(cuda, True, family)
+        rows = _gpu_exactness.exact_variants(cuda, True, family)
         assert [v for v in rows if v.kernel == "cudnn-br"] == [cap.Variant(True, "W per sequence", "cudnn-br",
                                                                            fused_norm=fused)]
         assert all(v.captured for v in rows) and rows[:-1] == [v for v in cap.variants(cuda, True, family)
@@ -182,7 +182,7 @@ def test_slice_exactness_can_fail(monkeypatch):
     import torch
 
     import _gpu_capture as cap
-    import _gpu_slices
+    import _gpu_exactness
     from tp_trainer.model import slice_cache
 
     def blind(kv, start):   # each slice attends to itself only
@@ -196,7 +196,7 @@ def test_slice_exactness_can_fail(monkeypatch):
                                                setattr(ctx, "start", 0))
         original(self, layers, ctx, *args, **kwargs)
     monkeypatch.setattr(cap.SlicedRun, "__init__", patched)
-    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64)
+    result = _gpu_exactness.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64)
     assert not result["passed"]
 
 
@@ -206,7 +206,7 @@ def test_slice_exactness_records_a_variant_that_raises(monkeypatch):
     import torch
 
     import _gpu_capture as cap
-    import _gpu_slices
+    import _gpu_exactness
     original = cap.SlicedRun.__init__
 
     def patched(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured, weights="in B", *rest):
@@ -214,7 +214,7 @@ def test_slice_exactness_records_a_variant_that_raises(monkeypatch):
             raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
         original(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured, weights, *rest)
     monkeypatch.setattr(cap.SlicedRun, "__init__", patched)
-    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
+    result = _gpu_exactness.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
     failed = [r for r in result["rows"] if not r["passed"]]
     assert [r["variant"].split(" (failed")[0] for r in failed] == ["8 slices eager, W per slice"]
     assert "no engine for this graph" in failed[0]["variant"]
@@ -228,7 +228,7 @@ def test_a_variant_failing_mid_step_leaves_the_layers_as_they_were(monkeypatch):
     import torch
 
     import _gpu_capture as cap
-    import _gpu_slices
+    import _gpu_exactness
     original_step, original_init, seen, rerouted = cap.SlicedRun.step, cap.SlicedRun.__init__, [], []
 
     def failing(self, *args, **kwargs):
@@ -242,7 +242,7 @@ def test_a_variant_failing_mid_step_leaves_the_layers_as_they_were(monkeypatch):
         original_init(self, *args, **kwargs)
     monkeypatch.setattr(cap.SlicedRun, "step", failing)
     monkeypatch.setattr(cap.SlicedRun, "__init__", starting)
-    result = _gpu_slices.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
+    result = _gpu_exactness.exactness(cap.CPU_SETS["gpt2-w64"], torch.device("cpu"), torch.float32, 64, compiled=False)
     failed = [r for r in result["rows"] if not r["passed"]]
     assert [r["variant"].split(" (failed")[0] for r in failed] == ["8 slices eager, W per slice"]
     assert seen and rerouted and not any(rerouted)   # every row started after the failed one included

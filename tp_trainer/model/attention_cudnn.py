@@ -12,8 +12,9 @@ nvidia-cudnn-frontend``, the ``pygraph`` API of 1.16) builds ``sdpa(q, k, v, dia
 BOTTOM_RIGHT, diagonal_band_right_bound=0)`` and its backward: one kernel each way over keys [0, c + l),
 with grouped-query K/V as they are (no repeat) and no mask built or saved.
 
-Graphs: one forward and one backward per (shapes, strides, dtype, scale, device), built at first use
-and kept for the process (``CudnnFrontend``). ``capture.UnitGraphs`` runs every unit eagerly before it
+Graphs: one forward and one backward (two for the ``split backward`` spelling of the mask) per
+(shapes, strides, dtype, scale, mask, device), built at first use and kept for the process
+(``CudnnFrontend``). ``capture.UnitGraphs`` runs every unit eagerly before it
 captures, so they are built outside a capture. Each call points the cuDNN handle at torch's current
 stream (the capturing one under ``torch.cuda.graph``); the workspace is a torch tensor (from the graph
 pool under capture).
@@ -64,26 +65,73 @@ class BottomRightAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-class CudnnFrontend:
-    """Builds, keeps and runs the bottom-right causal SDPA graphs through the ``cudnn`` module."""
+SPELLINGS = ("bottom-right", "top-left band", "split backward")
 
-    def __init__(self, cudnn):
-        self.cudnn = cudnn
+
+class CudnnFrontend:
+    """Builds, keeps and runs the slice's causal SDPA graphs through the ``cudnn`` module. ``spelling``
+    says how a slice [c, c + l) asks cuDNN for its mask (the same mask each way; which runs faster is
+    the GPU check's to measure, ``benchmarks/_gpu_attention_time.py``):
+
+    - ``bottom-right`` (the default): the diagonal aligned bottom-right, one graph each way. On the
+      H200 its backward on a context-free square took twice PyTorch's top-left kernel's, and 8 slices'
+      backward kernel 6.20 ms against 5.55 through the split (the Llama pair, two layers): as if it
+      computed the masked tiles.
+    - ``top-left band``: the diagonal aligned top-left, widened by c keys (``diagonal_band_right_bound``
+      = c): query i sees keys <= i + c, one graph each way.
+    - ``split backward``: the forward as ``bottom-right``; the backward of a slice with context as two
+      graphs, the context's keys [0, c) unmasked and the slice's own [c, c + l) causal top-left (the
+      mask PyTorch's cuDNN kernel gives, whose backward took half of bottom-right's on the same
+      square), each with the joint output and log-sum-exp (the exact gradients, as
+      ``attention_cuda.SplitAttention``), writing dK / dV into their two ranges of the buffers given
+      (no join); dQ is the two parts' sum."""
+
+    def __init__(self, cudnn, spelling: str = "bottom-right"):
+        if spelling not in SPELLINGS:
+            raise ValueError(f"cuDNN mask spelling {spelling!r}; choose {', '.join(SPELLINGS)}")
+        self.cudnn, self.spelling = cudnn, spelling
         self.graphs: dict = {}
         self.handles: dict = {}
 
     def forward(self, q, k, v, out, stats, scale: float) -> None:
-        self._run("F", scale, (q, k, v), (out, stats), lambda g, t: self._sdpa_forward(g, t, scale))
+        mask = self._mask(q.shape[2], k.shape[2], self.spelling == "top-left band")
+        self._run(("F", scale, *mask.items()), (q, k, v), (out, stats),
+                  lambda g, t: g.sdpa(name="slice_sdpa", q=t[0], k=t[1], v=t[2], generate_stats=True,
+                                      attn_scale=scale, **mask))
 
     def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale: float) -> None:
-        self._run("B", scale, (q, k, v, out, dout, stats), (dq, dk, dv), lambda g, t: self._sdpa_backward(g, t, scale))
+        start = k.shape[2] - q.shape[2]
+        if self.spelling != "split backward" or not start:
+            mask = self._mask(q.shape[2], k.shape[2], self.spelling == "top-left band")
+            self._backward(q, k, v, out, dout, stats, (dq, dk, dv), scale, mask)
+            return
+        dq_context = torch.empty_like(dq)
+        self._backward(q, k[:, :, :start], v[:, :, :start], out, dout, stats,
+                       (dq_context, dk[:, :, :start], dv[:, :, :start]), scale, {})
+        self._backward(q, k[:, :, start:], v[:, :, start:], out, dout, stats,
+                       (dq, dk[:, :, start:], dv[:, :, start:]), scale, self._mask(1, 1, top_left=True))   # a square
+        dq.add_(dq_context)
 
-    def _run(self, kind: str, scale: float, inputs, outputs, add_op) -> None:
-        """Build (once per kind, scale and layouts) and execute the graph reading ``inputs`` and writing
-        ``outputs``; ``add_op(graph, input nodes)`` adds the attention and returns its output nodes."""
+    def _backward(self, q, k, v, out, dout, stats, grads, scale: float, mask: dict) -> None:
+        self._run(("B", scale, *mask.items()), (q, k, v, out, dout, stats), grads,
+                  lambda g, t: g.sdpa_backward(name="slice_sdpa_backward", q=t[0], k=t[1], v=t[2], o=t[3],
+                                               dO=t[4], stats=t[5], attn_scale=scale, **mask))
+
+    def _mask(self, q_len: int, kv_len: int, top_left: bool) -> dict:
+        """Causal for a slice of ``q_len`` queries over ``kv_len`` keys: bottom-right aligned, or top-left
+        widened by the context (for a square, 0: plain top-left causal)."""
+        align = self.cudnn.diagonal_alignment
+        if top_left:
+            return {"diagonal_alignment": align.TOP_LEFT, "diagonal_band_right_bound": kv_len - q_len}
+        return {"diagonal_alignment": align.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
+
+    def _run(self, kind: tuple, inputs, outputs, add_op) -> None:
+        """Build (once per kind, which names the op, its mask and scale, and layouts) and execute the
+        graph reading ``inputs`` and writing ``outputs``; ``add_op(graph, input nodes)`` adds the
+        attention and returns its output nodes."""
         buffers = (*inputs, *outputs)
         device = buffers[0].device
-        key = (kind, scale, device, *_layouts(buffers))
+        key = (kind, device, *_layouts(buffers))
         handle = self._handle(device)
         found = self.graphs.get(key)
         if found is None:
@@ -116,18 +164,6 @@ class CudnnFrontend:
         graph.check_support()
         graph.build_plans()
         return graph, [*in_nodes, *out_nodes]
-
-    def _mask(self) -> dict:
-        return {"diagonal_alignment": self.cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
-
-    def _sdpa_forward(self, graph, tensors, scale):
-        q, k, v = tensors
-        return graph.sdpa(name="slice_sdpa", q=q, k=k, v=v, generate_stats=True, attn_scale=scale, **self._mask())
-
-    def _sdpa_backward(self, graph, tensors, scale):
-        q, k, v, o, do, stats = tensors
-        return graph.sdpa_backward(name="slice_sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats,
-                                   attn_scale=scale, **self._mask())
 
 
 def _layouts(tensors) -> tuple:
