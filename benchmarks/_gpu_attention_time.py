@@ -73,10 +73,11 @@ def attention_alone(spec, device, dtype, cudnn=None, counts=COUNTS) -> dict:
 
 
 def _whole(kernels, q, k, v, dout, scale):
-    """PyTorch's kernel on the whole sequence, causal: dQ, dK, dV (``dout`` (b, h, seq, d))."""
+    """PyTorch's kernel on the whole sequence, causal, as one slice: [(dQ, dK, dV)] (``dout`` (b, h,
+    seq, d))."""
     q = q.transpose(1, 2)
     out, lse, state = kernels.forward(q, k, v, True, scale)
-    return kernels.backward(dout, q, k, v, out, lse, state, True, scale)[:3]
+    return [tuple(kernels.backward(dout, q, k, v, out, lse, state, True, scale)[:3])]
 
 
 def _sliced(backend, q, k, v, dout, slices: int, scale):
@@ -100,9 +101,7 @@ def _sliced(backend, q, k, v, dout, slices: int, scale):
 
 
 def _joined(grads):
-    """A run's gradients as whole-sequence tensors in float32: dQ joined, dK / dV summed."""
-    if not isinstance(grads[0], tuple):   # the whole sequence's (dQ, dK, dV)
-        return [g.float() for g in grads]
+    """A run's per-slice gradients as whole-sequence tensors in float32: dQ joined, dK / dV summed."""
     dq = torch.cat([g[0].float() for g in grads], 2)
     dk, dv = (torch.zeros_like(grads[-1][i], dtype=torch.float32) for i in (1, 2))
     for _, gk, gv in grads:

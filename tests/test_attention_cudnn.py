@@ -229,8 +229,8 @@ def test_a_wrong_mask_spelling_is_caught():
     """The check above can fail: top-left causal without the band is another mask for a slice with
     context, and an unknown spelling is refused with the choices."""
     backend = CudnnFrontend(_fake_cudnn())
-    backend._mask = lambda q_len, kv_len, top_left: {"diagonal_alignment": backend.cudnn.diagonal_alignment.TOP_LEFT,
-                                                     "diagonal_band_right_bound": 0}
+    backend._mask = lambda context, top_left: {"diagonal_alignment": backend.cudnn.diagonal_alignment.TOP_LEFT,
+                                               "diagonal_band_right_bound": 0}
     assert _through_frontend(backend, 7) > 0.1
     with pytest.raises(ValueError, match="bottom-right, top-left band, split backward"):
         CudnnFrontend(_fake_cudnn(), "top-right")

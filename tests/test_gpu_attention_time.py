@@ -35,7 +35,7 @@ def test_every_spelling_measured_and_agreeing():
 def test_a_spelling_of_another_mask_shows(monkeypatch):
     """The agreement above can fail: a top-left band without its width is plain top-left causal, which
     hides the context from a slice that has one (8 slices), not from the whole sequence (1)."""
-    def narrow(self, q_len, kv_len, top_left):
+    def narrow(self, context, top_left):
         align = self.cudnn.diagonal_alignment
         return {"diagonal_alignment": align.TOP_LEFT if top_left else align.BOTTOM_RIGHT,
                 "diagonal_band_right_bound": 0}

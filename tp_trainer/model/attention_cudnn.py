@@ -94,7 +94,7 @@ class CudnnFrontend:
         self.handles: dict = {}
 
     def forward(self, q, k, v, out, stats, scale: float) -> None:
-        mask = self._mask(q.shape[2], k.shape[2], self.spelling == "top-left band")
+        mask = self._slice_mask(q, k)
         self._run(("F", scale, *mask.items()), (q, k, v), (out, stats),
                   lambda g, t: g.sdpa(name="slice_sdpa", q=t[0], k=t[1], v=t[2], generate_stats=True,
                                       attn_scale=scale, **mask))
@@ -102,14 +102,13 @@ class CudnnFrontend:
     def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale: float) -> None:
         start = k.shape[2] - q.shape[2]
         if self.spelling != "split backward" or not start:
-            mask = self._mask(q.shape[2], k.shape[2], self.spelling == "top-left band")
-            self._backward(q, k, v, out, dout, stats, (dq, dk, dv), scale, mask)
+            self._backward(q, k, v, out, dout, stats, (dq, dk, dv), scale, self._slice_mask(q, k))
             return
         dq_context = torch.empty_like(dq)
         self._backward(q, k[:, :, :start], v[:, :, :start], out, dout, stats,
                        (dq_context, dk[:, :, :start], dv[:, :, :start]), scale, {})
         self._backward(q, k[:, :, start:], v[:, :, start:], out, dout, stats,
-                       (dq, dk[:, :, start:], dv[:, :, start:]), scale, self._mask(1, 1, top_left=True))   # a square
+                       (dq, dk[:, :, start:], dv[:, :, start:]), scale, self._mask(0, top_left=True))
         dq.add_(dq_context)
 
     def _backward(self, q, k, v, out, dout, stats, grads, scale: float, mask: dict) -> None:
@@ -117,12 +116,17 @@ class CudnnFrontend:
                   lambda g, t: g.sdpa_backward(name="slice_sdpa_backward", q=t[0], k=t[1], v=t[2], o=t[3],
                                                dO=t[4], stats=t[5], attn_scale=scale, **mask))
 
-    def _mask(self, q_len: int, kv_len: int, top_left: bool) -> dict:
-        """Causal for a slice of ``q_len`` queries over ``kv_len`` keys: bottom-right aligned, or top-left
-        widened by the context (for a square, 0: plain top-left causal)."""
+    def _slice_mask(self, q, k) -> dict:
+        """The mask of the slice whose queries are ``q`` over keys ``k``, as this spelling asks for it
+        whole (``split backward``'s forward: bottom-right)."""
+        return self._mask(k.shape[2] - q.shape[2], top_left=self.spelling == "top-left band")
+
+    def _mask(self, context: int, top_left: bool) -> dict:
+        """Causal aligned bottom-right, or top-left widened by ``context`` keys (0: plain top-left causal,
+        a square's)."""
         align = self.cudnn.diagonal_alignment
         if top_left:
-            return {"diagonal_alignment": align.TOP_LEFT, "diagonal_band_right_bound": kv_len - q_len}
+            return {"diagonal_alignment": align.TOP_LEFT, "diagonal_band_right_bound": context}
         return {"diagonal_alignment": align.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
 
     def _run(self, kind: tuple, inputs, outputs, add_op) -> None:
