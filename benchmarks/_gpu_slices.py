@@ -7,7 +7,8 @@ with the measured costs, simulates deeper pipelines, and writes the report's sec
     plan        the planner's cost fit over the captured runs' per-slice samples (b = 1) and its DP
                 for 2 stages, batch 1 (each stage the measured block set), granularity 64 tokens, per
                 weight-gradient mode; "W per sequence" (the engine's) with the merged weight
-                gradients taken out of the units and added once a step (``merged_w_apart``).
+                gradients taken out of the units and added once a step (``merged_w_apart``); the
+                samples themselves kept in "unit_samples" (a plan over another mix, made later).
     simulated   K = 2, 4, 8 stages of that block set (the engine's mode, else in B), batch 1 and 4:
                 TeraPipe's DP plan (sum t + (K - 1) max t) against DeepSpeed's 1F1B on whole
                 sequences ((B + K - 1) x the whole sequence's time, HF eager and captured).
@@ -71,7 +72,8 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
     if not gpu:
         counts = tuple(c for c in counts if c <= 8)
     out = {"dtype": str(dtype)[6:], "slice_cost": [], "attention_kernels": {}, "attention_bytes_per_slice": {},
-           "attention_alone": {}, "fold": {}, "exactness": {}, "plan": {}, "simulated": {}, "errors": {}, "not_run": []}
+           "attention_alone": {}, "fold": {}, "exactness": {}, "plan": {}, "unit_samples": {}, "simulated": {},
+           "errors": {}, "not_run": []}
     for label, spec in sets.items():
         if past_deadline():
             out["not_run"].append(f"{label}: the whole set")
@@ -93,6 +95,8 @@ def run(device, quick: bool, log, keep=None, compiled: bool = True, deadline: fl
             whole_captured = next((r["whole_captured_ms"] for r in measured["records"]
                                    if r["mode"] == "captured" and r["weight_grads"] == "in B" and not r["compiled"]
                                    and r["attention"] == "cudnn"), None)
+            # the rows the plans are fitted on, so that a plan over another mix of them can be made later
+            out["unit_samples"][label] = measured["samples"]
             chosen, engine_mode = plans(measured, spec[1], spec[-1])
             for weights, found in chosen.items():
                 out["plan"][f"{label}, {weights}"] = found

@@ -162,6 +162,7 @@ def test_slice_step_on_the_cpu(cpu_run):
     assert not any(r["compiled"] for r in records)   # --compile off
     assert sorted({r["slices"] for r in records}) == [1, 2, 4, 8]
     assert all(ex["passed"] for ex in report["exactness"].values()) and not report["errors"]
+    assert set(report["unit_samples"]) == {"gpt2-w64", "llama-w64"}   # no captured rows on a CPU: {}
     assert "Exactness, llama-w64" in (out / "gpu_check.md").read_text()
     # DeepSpeed's per-backward fold, timed on each set's parameters: the with / without figures
     assert set(report["fold"]) == {"gpt2-w64", "llama-w64"}

@@ -4,6 +4,7 @@ the per-slice kernel lines, the variants a GPU times, the compiled variants' plu
 peak memory, and exactness rows that fail or raise (`_gpu_exactness.py`).
 """
 
+import json
 import os
 import sys
 
@@ -80,6 +81,9 @@ def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monke
     assert _gpu_plan.plans({"samples": {w: measured["samples"][w] for w in modes[:2]}}, spec[1], spec[-1])[1][0] \
         == "W per sequence"   # without the fused variant: HF's norms
     assert chosen[weights]["once_ms"] == pytest.approx(once_s * 1e3)
+    # the samples as the report's JSON keeps them ("unit_samples") plan again to the same slices
+    again, _ = _gpu_plan.plans({"samples": json.loads(json.dumps(measured["samples"]))}, spec[1], spec[-1])
+    assert {w: p["slices"] for w, p in again.items()} == {w: p["slices"] for w, p in chosen.items()}
     for found in chosen.values():
         assert sum(found["slices"]) == spec[-1] and found["predicted_ms"] > 0
     rows = _gpu_plan.simulate(cost, once_s, spec[-1], measured["whole_hf_ms"], None)
