@@ -32,6 +32,12 @@ of ``--reps`` rounds; the figures are the median over rounds and their min-max.
     aten_us_per_block_slice       {"eager", "compiled"}: the ATen ops' own time in it (torch.profiler's self
                                   CPU time of every ``aten::`` op over 10 steps at 1 and S slices, the same
                                   difference): the floor that no host-side change removes
+    generated_us_per_block_slice  {"generated", "compiled"}: of the compiled path's time per block and slice, the
+                                  part inside inductor's compiled graphs (forward and backward: their generated
+                                  code with its C++ kernels, extern matmuls, the fused op's calls, allocations),
+                                  and the compiled path's total in the same pass (a timer around each graph
+                                  call, ``CompiledFxGraph.__call__``): what is left when every runtime layer of
+                                  torch.compile (guards, AOTAutograd's wrappers, autograd's engine) costs nothing
     compiled_to_eager             compiled / eager per round (the two take turns in each round), median and min-max
 Goal: compiled per-slice overhead at most a third of the eager one. Runs in ~2 min on 2 cores (compiling).
 """
@@ -149,6 +155,29 @@ NO_KERNEL = {"view", "reshape", "transpose", "t", "permute", "expand", "as_strid
              "view_as", "expand_as", "new_empty", "new_empty_strided", "zeros", "zero_"}
 
 
+def generated_seconds(step, steps: int) -> tuple[float, float] | None:
+    """(thread CPU seconds of one ``step``, the part of them inside inductor's compiled graphs), averaged
+    over ``steps`` steps; None where this torch has no ``CompiledFxGraph`` to time."""
+    from torch._inductor import output_code
+    graph = getattr(output_code, "CompiledFxGraph", None)
+    if graph is None:
+        return None
+    inside, call = [0.0], graph.__call__
+
+    def timed(self, inputs):
+        begin = time.thread_time()
+        try:
+            return call(self, inputs)
+        finally:
+            inside[0] += time.thread_time() - begin
+    graph.__call__ = timed
+    try:
+        total = step_time(step, steps)
+    finally:
+        graph.__call__ = call
+    return total, inside[0] / steps
+
+
 def kernels(step) -> int:
     """Compute ops of one ``step``: leaf ATen ops outside NO_KERNEL and inductor's C++ kernels
     (``cpp.enable_kernel_profile`` names them in the profile), after a warm-up step."""
@@ -216,11 +245,19 @@ def measure(args) -> dict:
     compile_s = time.perf_counter() - began
     ops = {s: op_count(lambda: runs["eager"](s)) for s in (1, S)}
     rounds = {"hf": [], **{name: [] for name in runs}}
+    inside_graphs = []   # per round: {slices: (compiled step's seconds, of them inside its graphs)}
     for _ in range(args.reps):
         rounds["hf"].append(step_time(lambda: whole_step(eager_net, x, grad), args.steps) / LAYERS * 1e6)
         for name, step in runs.items():
             times = {s: step_time(lambda: step(s), args.steps) for s in (1, S)}
             rounds[name].append(per_slice(times, S))
+        timed = {s: generated_seconds(lambda: runs["compiled"](s), args.steps) for s in (1, S)}
+        inside_graphs.append(None if None in timed.values() else timed)
+    if None not in inside_graphs:
+        rounds["inside_graphs"] = [per_slice({s: timed[s][1] for s in (1, S)}, S) for timed in inside_graphs]
+        rounds["compiled_timed"] = [per_slice({s: timed[s][0] for s in (1, S)}, S) for timed in inside_graphs]
+    generated = {"generated": statistics.median(rounds["inside_graphs"]),
+                 "compiled": statistics.median(rounds["compiled_timed"])} if "inside_graphs" in rounds else None
     # before graph_breaks: torch._dynamo.explain leaves the region to compile again
     aten = {name: per_slice({s: aten_seconds(lambda: runs[name](s)) for s in (1, S)}, S) for name in ("eager", "compiled")}
     out = {"hf_us_per_block": statistics.median(rounds["hf"]),
@@ -230,12 +267,20 @@ def measure(args) -> dict:
            "compiled_blocks_us_per_block_slice": statistics.median(rounds["compiled_blocks"]),
            "kernels_per_block_slice": launched,
            "eager_ops_per_block_slice": (ops[S] - ops[1]) / (S - 1) / LAYERS,
-           "graph_breaks": graph_breaks(run, run_ctx), "aten_us_per_block_slice": aten}
+           "graph_breaks": graph_breaks(run, run_ctx), "aten_us_per_block_slice": aten,
+           "generated_us_per_block_slice": generated}
     out["compiled_to_eager"] = summary([c / e for c, e in zip(rounds["compiled"], rounds["eager"])])  # paired per round
     out["spread"] = {name: summary(values) for name, values in rounds.items()}
     out["settings"] = {"slices": S, "reps": args.reps, "steps": args.steps, "compile_s": round(compile_s, 1),
                        "load": os.getloadavg()[0], "torch": torch.__version__}
     return out
+
+
+def generated_line(generated: dict | None) -> str:
+    if generated is None:
+        return ""
+    return (f"inside the compiled graphs {generated['generated']:.0f} us of the compiled path's "
+            f"{generated['compiled']:.0f} us per block and slice; ")
 
 
 def main(argv=None) -> dict:
@@ -258,7 +303,7 @@ def main(argv=None) -> dict:
           f"paired ratio {out['compiled_to_eager']['median']:.2f}; graph breaks {out['graph_breaks']}; "
           f"ATen ops' own time per block and slice: eager {out['aten_us_per_block_slice']['eager']:.0f} us, "
           f"compiled {out['aten_us_per_block_slice']['compiled']:.0f} us; "
-          f"load {out['settings']['load']:.2f}")
+          f"{generated_line(out['generated_us_per_block_slice'])}load {out['settings']['load']:.2f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(out, handle, indent=1)

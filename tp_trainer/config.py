@@ -91,7 +91,7 @@ class TeraPipeConfig:
     each decoder block, compiled around its K/V append and attention, which stay eager
     (model/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
     capture removes the host time the graph breaks cost; eagerly on 2 CPU cores it costs that time
-    (benchmarks/host_overhead.py's GPT-2: 1063 against 766 us per block and slice). Needs no activation
+    (benchmarks/host_overhead.py's GPT-2: 1218 against 809 us per block and slice). Needs no activation
     checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default). On an H200, with
     cuda_graphs, the Llama pair's engine step above took 80.5 ms in 8 slices (72.7 in 1), and 80.7
     (72.5) with the blocks not compiled but their RMSNorms fused (fused_rms_norm, the default on

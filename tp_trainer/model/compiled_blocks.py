@@ -22,8 +22,8 @@ the process.
 
 Compute ops per block and slice (ATen ops that launch work plus inductor's fused kernels, forward +
 backward; benchmarks/host_overhead.py's GPT-2, width 32): 58.5 eager, 40.2 compiled around the
-attention. Not for eager runs: the graph breaks add host time per slice (the same benchmark: 1063
-against 766 us per block and slice). The fused, fully compilable CPU path is ``slice_op`` through
+attention. Not for eager runs: the graph breaks add host time per slice (the same benchmark: 1218
+against 809 us per block and slice). The fused, fully compilable CPU path is ``slice_op`` through
 ``layers.BlockRun`` instead.
 """
 
