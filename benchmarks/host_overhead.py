@@ -245,17 +245,16 @@ def measure(args) -> dict:
     compile_s = time.perf_counter() - began
     ops = {s: op_count(lambda: runs["eager"](s)) for s in (1, S)}
     rounds = {"hf": [], **{name: [] for name in runs}}
-    inside_graphs = []   # per round: {slices: (compiled step's seconds, of them inside its graphs)}
     for _ in range(args.reps):
         rounds["hf"].append(step_time(lambda: whole_step(eager_net, x, grad), args.steps) / LAYERS * 1e6)
         for name, step in runs.items():
             times = {s: step_time(lambda: step(s), args.steps) for s in (1, S)}
             rounds[name].append(per_slice(times, S))
+        # (compiled step's seconds, of them inside its graphs) per slice count; None: this torch cannot time them
         timed = {s: generated_seconds(lambda: runs["compiled"](s), args.steps) for s in (1, S)}
-        inside_graphs.append(None if None in timed.values() else timed)
-    if None not in inside_graphs:
-        rounds["inside_graphs"] = [per_slice({s: timed[s][1] for s in (1, S)}, S) for timed in inside_graphs]
-        rounds["compiled_timed"] = [per_slice({s: timed[s][0] for s in (1, S)}, S) for timed in inside_graphs]
+        if None not in timed.values():
+            for key, part in (("compiled_timed", 0), ("inside_graphs", 1)):
+                rounds.setdefault(key, []).append(per_slice({s: timed[s][part] for s in (1, S)}, S))
     generated = {"generated": statistics.median(rounds["inside_graphs"]),
                  "compiled": statistics.median(rounds["compiled_timed"])} if "inside_graphs" in rounds else None
     # before graph_breaks: torch._dynamo.explain leaves the region to compile again
