@@ -100,9 +100,5 @@ def markdown(result: dict, device_name: str) -> str:
 
 def write(out_dir: str, result: dict, device_name: str) -> list[str]:
     """autoplan.json and autoplan.md in ``out_dir``; returns their paths."""
-    paths = [os.path.join(out_dir, name) for name in ("autoplan.json", "autoplan.md")]
-    with open(paths[0], "w", encoding="utf-8") as handle:
-        json.dump(result, handle, indent=1)
-    with open(paths[1], "w", encoding="utf-8") as handle:
-        handle.write(markdown(result, device_name))
-    return paths
+    from _gpu_report import write_step
+    return write_step(out_dir, "autoplan", result, markdown(result, device_name))

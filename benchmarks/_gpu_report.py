@@ -199,3 +199,13 @@ def write(out_dir: str, env, steps, calib, paper, multi, seconds: float, slices:
         json.dump(report, handle, indent=1, default=str)
     print("\n" + text)
     return report
+
+
+def write_step(out_dir: str, stem: str, result: dict, text: str) -> list[str]:
+    """A step's own report in ``out_dir``: STEM.json (``result``) and STEM.md (``text``); their paths."""
+    paths = [os.path.join(out_dir, f"{stem}.{ext}") for ext in ("json", "md")]
+    with open(paths[0], "w", encoding="utf-8") as handle:
+        json.dump(result, handle, indent=1)
+    with open(paths[1], "w", encoding="utf-8") as handle:
+        handle.write(text)
+    return paths

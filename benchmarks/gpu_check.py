@@ -31,6 +31,9 @@ Steps (each result says which device it ran on; a step that cannot run here says
      profiling the blocks eager and captured (``_gpu_autoplan.py``; ``--budget`` seconds of profile
      each, default 30 on a GPU), and the eager costs under a memory limit: the plans "slices": "auto"
      makes here; DIR/autoplan.{md,json}.
+  wavefront  (only when named in --steps) the slice step's block sets, forward only, every slice
+     through every block as one CUDA graph in order on one stream against a wavefront over the
+     blocks on several streams (``_gpu_wavefront.py``): what side by side would buy; DIR/wavefront.{md,json}.
 The engine and multi-GPU steps need CUDA; without it they are reported as skipped. ``--deadline S``
 (for a timed lease; counted from this script's start, after gpu_check.sh's setup: e.g. 360 under a
 600 s limit): after S seconds no block set, variant, engine or step starts; the report lists what was
@@ -82,8 +85,8 @@ def parse_args(argv=None):
                    help="skip steps 1-3 (reported as skipped): calibration only, e.g. to rerun it on a lent GPU")
     p.add_argument("--steps", default="engine,slices,calibration,multi",
                    help="comma-separated steps to run: engine (1-3), slices (eager vs captured, _gpu_slices.py), "
-                        "calibration (4-5), multi (2+ GPUs), autoplan (the planner, _gpu_autoplan.py); the others "
-                        "are reported as skipped")
+                        "calibration (4-5), multi (2+ GPUs), autoplan (the planner, _gpu_autoplan.py), wavefront "
+                        "(slices side by side, _gpu_wavefront.py); the others are reported as skipped")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after which no measurement starts (what is left is listed as not run); the "
                         "report is still written")
@@ -276,10 +279,10 @@ def _peak(env: dict, device: str, dtype) -> tuple[float, str]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     steps_asked = set(("slices",) if args.quick else args.steps.split(","))
-    unknown = steps_asked - {"engine", "slices", "calibration", "multi", "autoplan"}
+    unknown = steps_asked - {"engine", "slices", "calibration", "multi", "autoplan", "wavefront"}
     if unknown:
         raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from engine, slices, "
-                         "calibration, multi, autoplan")
+                         "calibration, multi, autoplan, wavefront")
     start = time.perf_counter()
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     import _gpu_slices
@@ -323,6 +326,10 @@ def main(argv=None) -> dict:
         planned = _gpu_autoplan.run(gpu, out_dir, args.budget or (30.0 if gpu else 3.0),
                                     lambda line: print(f"[gpu_check] autoplan: {line}", flush=True))
         _gpu_autoplan.write(out_dir, planned, env["device_name"])
+    if not_run("wavefront") is None:
+        import _gpu_wavefront
+        found = _gpu_wavefront.run(torch.device(device), lambda line: print(f"[gpu_check] wavefront: {line}", flush=True))
+        _gpu_wavefront.write(out_dir, found, env["device_name"])
     result = gr.write(out_dir, env, steps, calib, paper, multi, time.perf_counter() - start, slices)
     for name in ("steps1to3", "step4", "slices"):
         if os.path.exists(os.path.join(out_dir, f"partial_{name}.json")):
