@@ -22,6 +22,8 @@ import json
 import os
 import time
 
+from _gpu_report import write_step
+
 # label: (hidden, heads, KV heads, intermediate, layers, vocabulary, seq_len, granularity, dtype)
 SETS = {"llama-7b-pair": (4096, 32, 8, 11008, 2, 32000, 8192, 64, "bf16"),
         "llama-w64": (64, 4, 2, 160, 2, 256, 128, 8, "fp32")}
@@ -100,5 +102,4 @@ def markdown(result: dict, device_name: str) -> str:
 
 def write(out_dir: str, result: dict, device_name: str) -> list[str]:
     """autoplan.json and autoplan.md in ``out_dir``; returns their paths."""
-    from _gpu_report import write_step
     return write_step(out_dir, "autoplan", result, markdown(result, device_name))

@@ -133,7 +133,7 @@ def probe_set(spec, device, dtype, counts=COUNTS, repeats: int = REPEATS) -> lis
             def run(order=order, on=on, kv=kv):
                 return forward_all(layers, ctx, kv, offsets, inputs, order, on)
             with torch.no_grad():
-                if on is None and device.type != "cuda":
+                if device.type != "cuda":
                     ms[name], outs[name] = None, run()
                 else:
                     ms[name], outs[name] = _replay_ms((lambda: _forked(run, on)) if on else run, repeats)

@@ -58,6 +58,8 @@ from _ranks import ROOT  # noqa: E402  (puts the repository and tests/ on sys.pa
 
 import torch  # noqa: E402
 
+STEPS = ("engine", "slices", "calibration", "multi", "autoplan", "wavefront")   # what --steps may name
+
 # block sets of step 4: (label, hidden, heads, blocks)
 SIZES = {
     "small": {"sets": [("w128", 128, 2, 2), ("w256", 256, 4, 2)], "seq_len": 512, "granularity": 32,
@@ -279,10 +281,9 @@ def _peak(env: dict, device: str, dtype) -> tuple[float, str]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     steps_asked = set(("slices",) if args.quick else args.steps.split(","))
-    unknown = steps_asked - {"engine", "slices", "calibration", "multi", "autoplan", "wavefront"}
+    unknown = steps_asked - set(STEPS)
     if unknown:
-        raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from engine, slices, "
-                         "calibration, multi, autoplan, wavefront")
+        raise SystemExit(f"error: --steps: unknown step(s) {sorted(unknown)}; choose from {', '.join(STEPS)}")
     start = time.perf_counter()
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     import _gpu_slices
