@@ -3,7 +3,7 @@
 (a) ``stock_engine``: DeepSpeed's own ``PipelineModule`` + ``deepspeed.initialize`` (its stock
     ``PipelineEngine`` and 1F1B ``TrainSchedule``), each stage running the whole sequence at once
     (HF ``GPT2Block`` with no cache and no mask: causal SDPA), the stage split of
-    ``tp_trainer.model.split``, token embedding and LM head tied through ``TiedLayerSpec``.
+    ``tp_trainer.model.stages.split``, token embedding and LM head tied through ``TiedLayerSpec``.
 (b), (c) ``terapipe_engine``: ``tp_trainer.initialize`` with explicit / ``"auto"`` slices.
 (d) ``single_model``: the whole HF ``GPT2LMHeadModel`` in this process, with a torch AdamW,
     accumulating gradients over the batch's sequences one by one (microbatch size 1, as (a)-(c)).
@@ -69,7 +69,7 @@ def terapipe_engine(args, slices, cost_model: str | None = None, more: dict | No
     layer names, shared_after) for ``StageSplit.from_names`` (default: the per-token estimate's)."""
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
-    from tp_trainer.model.split import StageSplit
+    from tp_trainer.model.stages.split import StageSplit
     extra = {"slices": slices}
     if slices == "auto":
         extra.update(cost_model=cost_model, profile_seconds=args.budget, granularity=8)
@@ -167,8 +167,9 @@ def stock_engine(args, activation_checkpoint: bool = False):
     from deepspeed.pipe import PipelineModule
 
     from tp_trainer.checkpoint import materialize_stage, meta_model
-    from tp_trainer.model import gpt2, llama
-    from tp_trainer.model.split import split_for_config
+    from tp_trainer.model.families import gpt2
+    from tp_trainer.model.families import llama
+    from tp_trainer.model.stages.split import split_for_config
 
     config = model_config(args)
     model = meta_model(config)
@@ -226,7 +227,7 @@ def step_order_seconds(engine, runner) -> float:
     W's run where the schedule places them, as in the step."""
     import time
 
-    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.model.slices.slice_cache import SequenceKV
     from tp_trainer.schedule.instructions import BackwardSlice, ForwardSlice, WeightGrad
     plan, ctx, store = engine.plan, engine.slice_context, engine.weight_grads
     compute = [c for c in engine._train_program.instructions if isinstance(c, (ForwardSlice, BackwardSlice, WeightGrad))]

@@ -11,11 +11,11 @@ from contextlib import contextmanager
 
 import torch
 
-from tp_trainer.model.attention_cuda import use_kernel
+from tp_trainer.model.cuda.attention_cuda import use_kernel
 
 
 def _flash_call(module, query, keys, values, span):
-    from tp_trainer.model.attention import slice_attention_forward
+    from tp_trainer.model.slices.attention import slice_attention_forward
     use_kernel("flash")
     try:
         return slice_attention_forward(module, query, keys, values, span)
@@ -29,7 +29,7 @@ def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dty
     transient peak, through the slice path and through HF's SDPA with the slice's boolean mask."""
     if device.type != "cuda":
         return {}
-    from tp_trainer.model.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
+    from tp_trainer.model.slices.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
     module = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
     d, l = hidden // heads, seq_len // 8
     out = {"slice_tokens": l, "contexts": [], "slice_path": [], "slice_path_flash": [], "mask_path": []}

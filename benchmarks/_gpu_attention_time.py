@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from tp_trainer.model import attention_cudnn
-from tp_trainer.model.attention_cuda import CPU_FLASH, CUDNN
+from tp_trainer.model.cuda import attention_cudnn
+from tp_trainer.model.cuda.attention_cuda import CPU_FLASH, CUDNN
 
 from _gpu_profile import failure_text, top_kernels
 

@@ -5,7 +5,7 @@ Block sets (bf16 on a GPU, fp32 on a CPU):
   llama-7b-pair  2 Llama layers of 7B width (4096, 32 heads, 8 KV heads, MLP 11008), seq 8192
 For each: one sequence (batch 1) as S uniform slices, S = 1 .. 32, forwards in order then backwards
 in reverse, through the pipeline's own layers (``DecoderBlock`` over a ``SliceContext``; on CUDA in
-bf16 the slices attend without a mask, through ``model/attention_cuda.py``):
+bf16 the slices attend without a mask, through ``model/cuda/attention_cuda.py``):
   eager     the layers run slice by slice from Python, as the engine runs them;
   captured  every slice's forward and backward replayed as CUDA graphs (``model.capture.UnitGraphs``);
   compiled  (a variant's flag) each HF block under ``torch.compile`` around its attention
@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import torch
 
-from tp_trainer.model.attention_cuda import fallback_reason, kernel_in_use, use_kernel
-from tp_trainer.model.compiled_blocks import compile_blocks, uncompile_blocks
-from tp_trainer.model.fused_norm import fuse_rms_norms, unfuse
+from tp_trainer.model.cuda.attention_cuda import fallback_reason, kernel_in_use, use_kernel
+from tp_trainer.model.cuda.compiled_blocks import compile_blocks, uncompile_blocks
+from tp_trainer.model.cuda.fused_norm import fuse_rms_norms, unfuse
 
 from _gpu_attention_memory import attention_bytes, variant_peak
 from _gpu_cost import uniform_offsets
@@ -71,7 +71,7 @@ def block_params(model) -> list:
 
 def wrap(model):
     """(pipeline DecoderBlocks over one SliceContext, whole-sequence runner of HF's blocks)."""
-    from tp_trainer.model.layers import DecoderBlock, SliceContext
+    from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
     gpt2 = model.config.model_type == "gpt2"
     hf_blocks = list(model.transformer.h) if gpt2 else list(model.model.layers)
     rotary = None if gpt2 else model.model.rotary_emb
@@ -95,7 +95,7 @@ def wrap(model):
 class Variant(NamedTuple):
     """One timed way to run the blocks: captured or eager, where the weight gradients are made, the
     attention kernel on CUDA (``attention_cuda.KERNELS``), whether the blocks are compiled around
-    their attention, and whether their RMSNorms run torch's fused kernels (``model/fused_norm.py``)."""
+    their attention, and whether their RMSNorms run torch's fused kernels (``model/cuda/fused_norm.py``)."""
     captured: bool
     weights: str
     kernel: str
@@ -159,8 +159,8 @@ class SlicedRun:
 
     def __init__(self, layers, ctx, params, hidden, seq_len, slices, device, dtype, captured: bool,
                  weights: str = "in B", compiled: bool = False, fused_norm: bool = False):
-        from tp_trainer.model.capture import UnitGraphs, layer_callbacks
-        from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
+        from tp_trainer.model.cuda.capture import UnitGraphs, layer_callbacks
+        from tp_trainer.model.slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
         self.offsets = uniform_offsets(seq_len, slices)
         self.layers = layers
         self.fused = fuse_rms_norms([layer.inner for layer in layers]) if fused_norm else []
@@ -184,7 +184,7 @@ class SlicedRun:
 
     def close(self) -> None:
         """Put the deferred layers' forward back."""
-        from tp_trainer.model.weight_grad import restore
+        from tp_trainer.model.slices.weight_grad import restore
         restore(self.deferred)
         uncompile_blocks(self.layers)
         unfuse(self.fused)

@@ -1,7 +1,7 @@
 """Step 4 of gpu_check.py: the per-slice cost t(len, ctx) of GPT-2 blocks, and the cost of slicing.
 
 A *block set* is ``blocks`` HF ``GPT2Block``s of one width, wrapped as the pipeline wraps them
-(``tp_trainer.model.layers.DecoderBlock`` over a shared ``SliceContext``), on the device and in
+(``tp_trainer.model.stages.layers.DecoderBlock`` over a shared ``SliceContext``), on the device and in
 the dtype being checked (fp16 on a GPU, as the paper-scale model assumes; fp32 on a CPU). Two
 measurements:
 
@@ -37,7 +37,7 @@ def build_blocks(hidden: int, heads: int, blocks: int, seq_len: int, device, dty
     """(DecoderBlock list, SliceContext, the HF blocks) of a fresh GPT-2 (dropout 0) on ``device``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tp_trainer.model.layers import DecoderBlock, SliceContext
+    from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
     config = GPT2Config(n_layer=blocks, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=8,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(seed)
@@ -76,7 +76,7 @@ def uniform_offsets(seq_len: int, slices: int) -> list[tuple[int, int]]:
 
 def sliced_step(layers, ctx, hidden: int, seq_len: int, slices: int, device, dtype) -> float:
     """Seconds of one sequence as ``slices`` uniform slices: forwards in order, backwards reversed."""
-    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.model.slices.slice_cache import SequenceKV
     offsets = uniform_offsets(seq_len, slices)
     inputs = [torch.randn(1, l, hidden, device=device, dtype=dtype, requires_grad=True) for _, l in offsets]
     grads = [torch.randn(1, l, hidden, device=device, dtype=dtype) for _, l in offsets]

@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from tp_trainer.model.capture import WEIGHT_MODES
+from tp_trainer.model.cuda.capture import WEIGHT_MODES
 
 import _gpu_capture as cap
 

@@ -1,6 +1,6 @@
 """gpu_check's engine step: a whole 1-stage training step through TeraPipeEngine (embedding, decoder
 blocks, head, loss, DeepSpeed's optimizer step) per slice count, the blocks eager against captured
-(``terapipe.cuda_graphs``, ``tp_trainer/model/captured_blocks.py``) and captured with each block
+(``terapipe.cuda_graphs``, ``tp_trainer/model/cuda/captured_blocks.py``) and captured with each block
 compiled around its attention (``terapipe.compile_blocks``: ``_gpu_capture.compile_backend``), and captured with
 the RMSNorms fused (``terapipe.fused_rms_norm``). One rank, started by
 ``tests/multirank.run_ranks`` from ``_gpu_slices.engine_step``:

@@ -110,8 +110,8 @@ def forced_overflow_of(engine, param_name: str, batches, step: int, scale_of) ->
 
     The inf enters through the output gradient of the layer holding the weight (a tensor hook on
     its forward's output), so it reaches the weight's gradient wherever that is computed: in the
-    backward, or in a scheduled W (model/weight_grad.py), which no hook on the weight would see."""
-    from tp_trainer.model.pipeline import hf_named_parameters
+    backward, or in a scheduled W (model/slices/weight_grad.py), which no hook on the weight would see."""
+    from tp_trainer.model.stages.pipeline import hf_named_parameters
     named = hf_named_parameters(engine.module)
     before = {n: p.detach().clone() for n, p in named.items()}
     scale_before, skipped_before = scale_of(engine), engine.skipped_steps

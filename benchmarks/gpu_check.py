@@ -7,7 +7,7 @@
 Steps (each result says which device it ran on; a step that cannot run here says why):
   slices  (first: the figures a lent GPU is wanted for; ``_gpu_slices.py`` / ``_gpu_capture.py``)
      per-slice cost of decoder blocks, bf16, eager against captured (per-unit CUDA graphs,
-     ``tp_trainer/model/capture.py``) with three placements of the weight gradients and two
+     ``tp_trainer/model/cuda/capture.py``) with three placements of the weight gradients and two
      attention kernels: GPT-2 medium blocks at seq 2048 and a Llama pair of 7B width at seq 8192, 1 to
      32 slices, against HF's blocks on the whole sequence; the attention kernels a slice runs and its
      attention memory against its context; the Llama pair's slice attention alone at 1 and 8 slices
@@ -134,7 +134,7 @@ def environment() -> dict:
 
 def _cudnn_frontend() -> str:
     """The cuDNN frontend that "auto" and the ``cudnn-br`` variant run, and the libcudnn it bound (torch's), or why none."""
-    from tp_trainer.model.attention_cudnn import frontend
+    from tp_trainer.model.cuda.attention_cudnn import frontend
     try:
         cudnn = frontend().cudnn
         return f"{getattr(cudnn, '__version__', '?')} over cuDNN {cudnn.backend_version_string()}"

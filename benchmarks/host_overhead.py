@@ -56,9 +56,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tp_trainer.model.compiled_blocks import compile_blocks  # noqa: E402
-from tp_trainer.model.layers import BlockRun, DecoderBlock, SliceContext, _run_blocks, block_runs  # noqa: E402
-from tp_trainer.model.slice_cache import SequenceKV  # noqa: E402
+from tp_trainer.model.cuda.compiled_blocks import compile_blocks  # noqa: E402
+from tp_trainer.model.stages.layers import BlockRun, DecoderBlock, SliceContext, _run_blocks, block_runs  # noqa: E402
+from tp_trainer.model.slices.slice_cache import SequenceKV  # noqa: E402
 
 WIDTH, LAYERS, HEADS, SEQ, VOCAB = 32, 2, 4, 256, 256
 

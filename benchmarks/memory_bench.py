@@ -55,7 +55,7 @@ def batches(args, step: int):
 def build(args, schedule: str):
     from tp_trainer.checkpoint import meta_model
     from tp_trainer.initialize import initialize
-    from tp_trainer.model.presets import preset_config
+    from tp_trainer.model.families.presets import preset_config
     config = preset_config(args.config_name, args.vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                            bos_token_id=0, eos_token_id=0)
     return initialize(meta_model(config), ds_config(args, schedule), seed=1234)[0]
@@ -125,9 +125,9 @@ def inflight(args, stage: int, schedule: str, num_slices: int) -> tuple[int, int
 
 def stage_blocks(args) -> list[int]:
     """Decoder blocks per stage, from the same split the engine uses; sets args.hidden."""
-    from tp_trainer.model.adapters import adapter_for
-    from tp_trainer.model.presets import preset_config
-    from tp_trainer.model.split import split_for_config
+    from tp_trainer.model.families.adapters import adapter_for
+    from tp_trainer.model.families.presets import preset_config
+    from tp_trainer.model.stages.split import split_for_config
     config = preset_config(args.config_name, args.vocab_size, bos_token_id=0, eos_token_id=0)
     args.hidden = config.n_embd
     adapter = adapter_for(config)
@@ -202,7 +202,7 @@ def summarize(args, memory: list[dict], timing: list[dict], wall_s: float) -> tu
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config_name", default="gpt2-tiny", help="a preset of tp_trainer/model/presets.py")
+    p.add_argument("--config_name", default="gpt2-tiny", help="a preset of tp_trainer/model/families/presets.py")
     p.add_argument("--vocab_size", type=int, default=8192)
     p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument("--slices", default="uniform:8", help='"uniform:N" or a JSON list, e.g. "[512,512]"')

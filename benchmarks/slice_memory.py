@@ -29,7 +29,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import extract_package  # noqa: E402
-BASELINE = "2352d8e"  # the slice path with HF's masked SDPA per slice (before model/attention.py)
+BASELINE = "2352d8e"  # the slice path with HF's masked SDPA per slice (before model/slices/attention.py)
 
 
 def model(name: str, positions: int):
@@ -50,9 +50,9 @@ def stage_functions(net, stage: int):
     """(callables of ``stage`` of 2, SliceContext, first layer is the token embedding)."""
     from deepspeed.pipe import TiedLayerSpec
 
-    from tp_trainer.model.adapters import adapter_for
-    from tp_trainer.model.layers import SliceContext
-    from tp_trainer.model.split import split_for_config
+    from tp_trainer.model.families.adapters import adapter_for
+    from tp_trainer.model.stages.layers import SliceContext
+    from tp_trainer.model.stages.split import split_for_config
     family = adapter_for(net.config)
     ctx = SliceContext(net.config._attn_implementation or "sdpa")
     specs = family.layer_specs(net, ctx)
@@ -72,7 +72,7 @@ def worker(args) -> None:
     import torch
 
     from tp_trainer.memory import ActivationTracker, peak_rss_mb
-    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.model.slices.slice_cache import SequenceKV
     torch.set_num_threads(1)
     net = model(args.model, max(args.lengths))
     funcs, ctx = stage_functions(net, args.stage)

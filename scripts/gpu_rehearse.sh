@@ -65,5 +65,5 @@ PY
 PYTHONPATH="$GPU_CHECK_SITE:$PWD" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   "$GPU_CHECK_PYTHON" -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py tests/test_attention_cudnn.py tests/test_gpu_attention_time.py tests/test_gpu_wavefront.py \
   tests/test_capture.py tests/test_captured_blocks.py tests/test_compiled_blocks.py tests/test_slice_attention.py \
-  tests/test_slice_cache.py tests/test_slice_compile.py tests/test_kv_handoff.py tests/test_weight_grad.py
+  tests/test_slice_cache.py tests/test_slice_compile.py tests/test_shared_attention.py tests/test_weight_grad.py
 echo "[gpu_rehearse] passed; report: .rehearse/gpu_check/"

@@ -14,10 +14,10 @@ platform="--only-binary=:all: --python-version 3.12 --implementation cp --platfo
 pins=$(python -m pip list --format=freeze | grep -iE '^(transformers|datasets|dill|multiprocess|fsspec|hjson|pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection|regex)==')
 # shellcheck disable=SC2086
 python -m pip download -q --no-deps $platform -d .whl $pins
-# NVIDIA's cuDNN frontend for the bottom-right slice attention ("auto" takes it; model/attention_cudnn.py): pure bindings, it
+# NVIDIA's cuDNN frontend for the bottom-right slice attention ("auto" takes it; model/cuda/attention_cudnn.py): pure bindings, it
 # runs the libcudnn the lent machine's torch brings
 # shellcheck disable=SC2086
-python -m pip download -q --no-deps $platform -d .whl "$(python -c 'from tp_trainer.model.attention_cudnn import PIN; print(PIN)')"
+python -m pip download -q --no-deps $platform -d .whl "$(python -c 'from tp_trainer.model.cuda.attention_cudnn import PIN; print(PIN)')"
 python -m pip download -q --no-deps --no-binary=:all: -d .whl/src "deepspeed==$(python -m pip show deepspeed | sed -n 's/^Version: //p')"
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
 rm -rf .whl/src

@@ -85,7 +85,7 @@ def load_case(ckpt: str) -> dict:
         materialize_stage,
         meta_model,
     )
-    from tp_trainer.model.pipeline import build_pipeline_module, hf_named_parameters
+    from tp_trainer.model.stages.pipeline import build_pipeline_module, hf_named_parameters
     model = meta_model(checkpoint_config(ckpt))
     hf_load.safe_open, CountingSafeOpen.reads = CountingSafeOpen, []
     report = materialize_stage(model, 2, ckpt, seed=SEED)
@@ -103,7 +103,7 @@ def pipeline_logits(engine, input_ids: torch.Tensor):
     """Logits of the whole sequence through the stages (one slice), on the last stage; else None."""
     from deepspeed.runtime.pipe import p2p
 
-    from tp_trainer.model.slice_cache import SequenceKV
+    from tp_trainer.model.slices.slice_cache import SequenceKV
     engine.module.eval()
     engine.module.slice_context.begin(SequenceKV(input_ids.shape[1]), 0, input_ids.shape[1])
     with torch.no_grad():

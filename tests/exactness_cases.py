@@ -47,17 +47,17 @@ def cases(world: int) -> list[dict]:
         # without checkpointing; their twin is the same case with whole blocks
         out += [_case(stages, 3, "uneven", tied, "1f1b", ckpt=ckpt, cut=True)
                 for tied, ckpt in ((True, False), (False, True))]
-    if stages <= 2:  # the blocks through model/captured_blocks.py (terapipe.cuda_graphs; eager units on a
+    if stages <= 2:  # the blocks through model/cuda/captured_blocks.py (terapipe.cuda_graphs; eager units on a
         # CPU), their weight gradients merged per sequence (defer_weight_grads) or in B (-nozb)
         out += [_case(stages, 3, "uneven", tied, schedule, graphs=True, zb=zb)
                 for tied, schedule, zb in ((True, "1f1b", True), (False, "gpipe", False))[:stages]]
-    if stages == 1:  # each block compiled around its attention (model/compiled_blocks.py, backend aot_eager:
+    if stages == 1:  # each block compiled around its attention (model/cuda/compiled_blocks.py, backend aot_eager:
         # exact in float64) inside the captured units, as a GPU runs them; uniform slices: one graph set
         out.append(_case(stages, 3, "uniform4", True, "1f1b", graphs=True, compiled=True))
     if stages > 1:  # LoRA (tests/lora_cases.py): adapters with non-zero B, base weights frozen
         out += lora_cases(stages)
-    if stages == 2:  # one block's attention or MLP shared by both stages (model/kv_handoff.py,
-        # model/shared_half.py): slices starting at token 8 or later ([7, 5, 3, 1]: the last two) run
+    if stages == 2:  # one block's attention or MLP shared by both stages (model/stages/shared_attention.py,
+        # model/stages/shared_half.py): slices starting at token 8 or later ([7, 5, 3, 1]: the last two) run
         # it on stage 0, the others on stage 1
         out += [_case(stages, 3, "uneven", tied, schedule, ckpt=ckpt, cut=True, shared=8, half=half)
                 for half in ("attn", "mlp") for tied, schedule, ckpt in ((True, "1f1b", False), (False, "gpipe", True))]

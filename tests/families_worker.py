@@ -53,7 +53,7 @@ ROPE_POSITIONS = 8
 
 
 def _case(family, tied, impl="sdpa", stages=2, schedule="gpipe", cut=False, fused=False, **overrides):
-    """``cut``: the 2 stages split inside block 1, between its attention and its MLP (model/halves.py);
+    """``cut``: the 2 stages split inside block 1, between its attention and its MLP (model/stages/halves.py);
     ``fused``: terapipe.fused_rms_norm (float64 keeps HF's norm; fp32 runs torch's fused op)."""
     parts = [f"pp{stages}", family, "tied" if tied else "untied", impl, *(f"{k}={v}" for k, v in overrides.items())]
     if schedule != "gpipe":
@@ -70,7 +70,7 @@ def cut_split(case: dict, config) -> list | None:
     """The case's stage split as layer names: block 1 of 4 cut, or None (the config's split)."""
     if not case["cut"]:
         return None
-    from tp_trainer.model.adapters import adapter_for
+    from tp_trainer.model.families.adapters import adapter_for
     adapter = adapter_for(config)
     return [[*adapter.PREFIX, "h.0", "h.1.attn"], ["h.1.mlp", "h.2", "h.3", *adapter.SUFFIX]]
 

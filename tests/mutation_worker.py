@@ -24,9 +24,9 @@ import pipeline_harness as harness  # noqa: E402
 from tp_trainer import engine as engine_module  # noqa: E402
 from tp_trainer.engine import TeraPipeEngine  # noqa: E402
 from tp_trainer.data.examples import ExampleBlocks  # noqa: E402
-from tp_trainer.model.layers import SliceContext  # noqa: E402
-from tp_trainer.model.segments import Segments  # noqa: E402
-from tp_trainer.model.slice_cache import _AppendKV  # noqa: E402
+from tp_trainer.model.stages.layers import SliceContext  # noqa: E402
+from tp_trainer.model.slices.segments import Segments  # noqa: E402
+from tp_trainer.model.slices.slice_cache import _AppendKV  # noqa: E402
 from tp_trainer.schedule import LoadSlice  # noqa: E402
 
 # 2 stages, tied head, 2 microbatches, slices [7, 5, 3, 1] (offsets 0, 7, 12, 15)
@@ -105,7 +105,7 @@ LORA_CASE = ec._case(2, 2, "uneven", True, "gpipe", lora=())
 def _drop_adapter_grad():
     """Stage 1 drops the weight gradient its c_fc adapter's B matrix (shape (4 x 32, r)) gets from
     the 3-token slice (x: microbatch x 3 rows): the gradient exists, and is wrong."""
-    from tp_trainer.model import weight_grad
+    from tp_trainer.model.slices import weight_grad
     apply = weight_grad._apply
 
     def dropped(master, weight, *rest):

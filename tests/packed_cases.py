@@ -20,7 +20,7 @@ import exactness_cases as ec
 import torch
 
 from tp_trainer.data.examples import ExampleBlocks
-from tp_trainer.data.instructions import EXAMPLE_FEATURES
+from tp_trainer.data.scored_rows import EXAMPLE_FEATURES
 from tp_trainer.data.packing import step_batches
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, VOCAB, STEPS = 16, 2, 2, 64, 2

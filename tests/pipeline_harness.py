@@ -78,13 +78,13 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     after the last step, the losses train_batch returned, the last stage's own loss of each step in
     the model's dtype (``exact_losses``: DeepSpeed broadcasts the loss in fp32), the eval loss.
     ``split``: layer names per stage (``StageSplit.from_names``; default the config's split), or
-    {"names": ..., "shared_after": ...} for an attention half two stages share (model/kv_handoff.py).
+    {"names": ..., "shared_after": ...} for an attention half two stages share (model/stages/shared_attention.py).
     ``export``: a directory the trained pipeline is saved to as an HF checkpoint (``save_hf_checkpoint``;
     with LoRA its PEFT adapter, ``lora_io.save_adapter``). ``inspect(engine)``: returned as "inspect".
     """
     from tp_trainer.initialize import initialize
-    from tp_trainer.model.pipeline import hf_named_parameters
-    from tp_trainer.model.split import StageSplit
+    from tp_trainer.model.stages.pipeline import hf_named_parameters
+    from tp_trainer.model.stages.split import StageSplit
     if isinstance(split, dict):
         split = StageSplit.from_names(split["names"], split["shared_after"])
     elif split is not None:

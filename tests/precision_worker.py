@@ -75,7 +75,7 @@ def scheduled_w_runs() -> dict:
     for name in pc.CASES:
         for scheduled in (True, False):
             out[f"{name}@{'W' if scheduled else 'B'}"] = train(name, scheduled)
-    for name in GRAPHS_CASES:   # the blocks through model/captured_blocks.py (eager units on a CPU), W in B
+    for name in GRAPHS_CASES:   # the blocks through model/cuda/captured_blocks.py (eager units on a CPU), W in B
         out[f"{name}@graphs"] = train(name, False, cuda_graphs=True)
     return out
 
@@ -87,7 +87,7 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
     from _gpu_worker import forced_overflow_of
 
     from tp_trainer.initialize import initialize
-    from tp_trainer.model.pipeline import hf_named_parameters
+    from tp_trainer.model.stages.pipeline import hf_named_parameters
     case = pc.case(name)
     config = pc.ds_config(name, scheduled_w)
     config["terapipe"]["cuda_graphs"] = cuda_graphs

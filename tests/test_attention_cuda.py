@@ -5,7 +5,7 @@ flash kernel in float64 (the same math; only the kernels differ on CUDA)."""
 import pytest
 import torch
 
-from tp_trainer.model.attention_cuda import CPU_FLASH, SplitAttention, cuda_path, use_kernel
+from tp_trainer.model.cuda.attention_cuda import CPU_FLASH, SplitAttention, cuda_path, use_kernel
 
 
 def reference(q, k, v, start, scale):
@@ -55,7 +55,7 @@ def test_split_attention_join_matters():
 
 
 def test_cuda_path_needs_cuda_and_half_precision():
-    from tp_trainer.model.attention import SliceSpan
+    from tp_trainer.model.slices.attention import SliceSpan
     q = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
     assert not cuda_path(q, k, SliceSpan(6, 4), 0.0, {})   # a CPU tensor takes the CPU path
@@ -65,8 +65,8 @@ def test_cuda_path_needs_cuda_and_half_precision():
 
 def test_auto_kernel_choice():
     """auto: cuDNN's split for slices of l x d >= 65536, flash below and for windows."""
-    from tp_trainer.model.attention import SliceSpan
-    from tp_trainer.model.attention_cuda import kernel_in_use, takes_cudnn
+    from tp_trainer.model.slices.attention import SliceSpan
+    from tp_trainer.model.cuda.attention_cuda import kernel_in_use, takes_cudnn
     assert kernel_in_use() == "auto"
     assert takes_cudnn(SliceSpan(0, 1024, None), 64) and takes_cudnn(SliceSpan(512, 512, None), 128)
     assert not takes_cudnn(SliceSpan(512, 512, None), 64) and not takes_cudnn(SliceSpan(0, 256, None), 128)

@@ -12,8 +12,8 @@ from enum import Enum
 import pytest
 import torch
 
-from tp_trainer.model import attention_cudnn
-from tp_trainer.model.attention_cudnn import BottomRightAttention, CudnnFrontend, loaded_library
+from tp_trainer.model.cuda import attention_cudnn
+from tp_trainer.model.cuda.attention_cudnn import BottomRightAttention, CudnnFrontend, loaded_library
 from test_attention_cuda import reference
 
 
@@ -260,7 +260,7 @@ def test_loaded_library_reads_the_process_maps(tmp_path):
 def cpu_slices(monkeypatch):
     """``slice_attention_cuda`` on the CPU: the split runs on the CPU's kernels, from any slice size, and
     no frontend is loaded yet; the kernel choice is "auto" again afterwards."""
-    from tp_trainer.model import attention_cuda
+    from tp_trainer.model.cuda import attention_cuda
     monkeypatch.setattr(attention_cuda, "CUDNN", attention_cuda.CPU_FLASH)
     monkeypatch.setattr(attention_cuda, "CUDNN_FROM", 0)
     monkeypatch.setattr(attention_cuda, "BR_FROM", 0)
@@ -272,7 +272,7 @@ def cpu_slices(monkeypatch):
 def _check_slice(attention_cuda, start, length=5):
     """One slice through ``slice_attention_cuda`` in float32 (the stand-in graphs take no float64),
     against the float64 reference."""
-    from tp_trainer.model.attention import SliceSpan
+    from tp_trainer.model.slices.attention import SliceSpan
     q, k, v = _inputs(start, length, 4, 2, False)
     out = attention_cuda.slice_attention_cuda(q.float(), k.float(), v.float(), SliceSpan(start, length), 8 ** -0.5)
     assert torch.allclose(out.transpose(1, 2).double(), reference(q, k, v, start, 8 ** -0.5), rtol=0, atol=1e-5)
@@ -282,7 +282,7 @@ def test_auto_takes_the_bottom_right_kernel_for_slices_with_context(cpu_slices, 
     """Where the frontend loads, "auto" runs a slice with context as one bottom-right graph and a
     context-free slice through the split's one causal kernel (the same square, where PyTorch's cuDNN
     backward skips the masked half); a slice under ``BR_FROM`` tokens x head size takes the others."""
-    from tp_trainer.model.attention import SliceSpan
+    from tp_trainer.model.slices.attention import SliceSpan
     fake = _fake_cudnn()
     attention_cudnn._FRONTEND["backend"] = CudnnFrontend(fake)
     monkeypatch.setattr(cpu_slices, "BR_FROM", 5 * 8)

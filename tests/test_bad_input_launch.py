@@ -244,7 +244,7 @@ def test_launcher_exit_code_and_output(inputs, tmp_path):
 MESSAGE_SOURCES = ["tp_trainer/checks.py", "tp_trainer/run.py", "tp_trainer/config.py", "tp_trainer/initialize.py",
                    "tp_trainer/resume.py", "tp_trainer/resume_checks.py", "tp_trainer/checkpoint/hf_load.py",
                    "tp_trainer/data/corpus.py", "tp_trainer/data/packing.py", "tp_trainer/data/tokenizer.py",
-                   "tp_trainer/data/files.py", "tp_trainer/data/instructions.py", "tp_trainer/data/examples.py",
+                   "tp_trainer/data/files.py", "tp_trainer/data/scored_rows.py", "tp_trainer/data/examples.py",
                    "tp_trainer/data/chat_template.py"]
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tp_trainer.model import slice_cache
-from tp_trainer.model.capture import UnitGraphs, layer_callbacks
-from tp_trainer.model.layers import DecoderBlock, SliceContext
-from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
+from tp_trainer.model.slices import slice_cache
+from tp_trainer.model.cuda.capture import UnitGraphs, layer_callbacks
+from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
+from tp_trainer.model.slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
 
 SLICES = [(0, 5), (5, 4), (9, 4), (13, 3)]   # uneven, 16 tokens
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_capture import SLICES, model, whole
 
-from tp_trainer.model.captured_blocks import CapturedBlocks, capture_blocks
-from tp_trainer.model.layers import DecoderBlock, SliceContext
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.cuda.captured_blocks import CapturedBlocks, capture_blocks
+from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
+from tp_trainer.model.slices.slice_cache import SequenceKV
 
 ORDER = [("F", 0, j) for j in range(len(SLICES))] + [("B", 0, j) for j in reversed(range(len(SLICES)))]
 

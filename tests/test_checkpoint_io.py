@@ -27,8 +27,8 @@ from tp_trainer.checkpoint import (
     materialize_stage,
     meta_model,
 )
-from tp_trainer.model import gpt2
-from tp_trainer.model.split import split_for_config
+from tp_trainer.model.families import gpt2
+from tp_trainer.model.stages.split import split_for_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,7 +224,7 @@ def test_missing_tensor_and_missing_weights(tmp_path):
 def test_export_with_preset_config(tmp_path):
     """--config_name: the preset's config, the vocabulary size read from the embedding layer file.
     Layer files written as PipelineModule.save_state_dict does (state_dict of each built layer)."""
-    from tp_trainer.model.layers import SliceContext
+    from tp_trainer.model.stages.layers import SliceContext
     from tp_trainer.run import RunArgs, model_config
     config = model_config(RunArgs(deepspeed_config="unused", config_name="gpt2-tiny"), vocab_size=300)
     torch.manual_seed(0)

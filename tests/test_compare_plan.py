@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import compare  # noqa: E402
 
-from tp_trainer.model.split import StageSplit  # noqa: E402
+from tp_trainer.model.stages.split import StageSplit  # noqa: E402
 
 STAGES = "embed,pos,h.0,h.1,h.2,h.3.attn,h.3.mlp:h.3.mlp,h.4,h.5,norm,head"
 

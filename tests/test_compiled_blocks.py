@@ -1,4 +1,4 @@
-"""Decoder blocks compiled around their attention (model/compiled_blocks.py, terapipe.compile_blocks).
+"""Decoder blocks compiled around their attention (model/cuda/compiled_blocks.py, terapipe.compile_blocks).
 
 1. The graph breaks are the K/V append and the attention core, nothing else (dynamo's graph-break
    counters over one block's forward and backward on a middle slice); with deferred weight
@@ -23,10 +23,10 @@ import torch
 from test_slice_attention import pipeline_layers, sliced, tiny
 from test_slice_compile import counting_backend, hf_result, result
 
-from tp_trainer.model.compiled_blocks import compile_blocks
-from tp_trainer.model.layers import DecoderBlock
-from tp_trainer.model.slice_cache import SequenceKV
-from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
+from tp_trainer.model.cuda.compiled_blocks import compile_blocks
+from tp_trainer.model.stages.layers import DecoderBlock
+from tp_trainer.model.slices.slice_cache import SequenceKV
+from tp_trainer.model.slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
 
 SLICES = [8, 8, 8, 8]
 SEQ = sum(SLICES)

@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from tp_trainer.ds_compat import OVERRIDES, TOUCHES, Touch, check_override, check_touch
 from tp_trainer.engine import TeraPipeEngine
-from tp_trainer.model.pipeline import TeraPipeModule
+from tp_trainer.model.stages.pipeline import TeraPipeModule
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tp_trainer"
 OURS = {"PipelineEngine": TeraPipeEngine, "DeepSpeedEngine": TeraPipeEngine, "PipelineModule": TeraPipeModule}

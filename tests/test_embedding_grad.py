@@ -1,12 +1,12 @@
-"""Per-sequence embedding gradients (model/embedding_grad.py) against nn.Embedding's own."""
+"""Per-sequence embedding gradients (model/slices/embedding_grad.py) against nn.Embedding's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tp_trainer.model.embedding_grad import slice_embedding
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.slices.embedding_grad import slice_embedding
+from tp_trainer.model.slices.slice_cache import SequenceKV
 
 
 def _sliced_grad(embedding, ids, sizes, out_grads):

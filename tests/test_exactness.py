@@ -2,7 +2,7 @@
 
 Cases: stages {1,2,3} x microbatches {1,3} x slices {1, uniform 4, [7,5,3,1]} x tied/untied heads
 (gpipe; 1f1b with 3 microbatches), activation checkpointing, blocks cut between attention and MLP at
-the stage boundaries (model/halves.py), and 2 stages x 2 replicas with ZeRO-1
+the stage boundaries (model/stages/halves.py), and 2 stages x 2 replicas with ZeRO-1
 (both orders) and without ZeRO (fp32 only: DeepSpeed reduces no float64 gradients); 3
 AdamW steps with global-norm clipping, then an evaluation. One launch each of 1, 2, 3 and 4 ranks
 runs every case twice: in float64 end to end and in fp32. Criteria
@@ -58,19 +58,19 @@ def test_matches_hf(pipeline_results, case):
         report += ": float64 " + " ".join(f"{k} {v:.1e}" for k, v in worst64.items())
     worst32 = harness.check_float32(pipeline_results[case["name"] + "@f32"], reference(case, torch.float32), exact)
     print(report + " | fp32 distance/allowed " + " ".join(f"{k} {v:.2f}" for k, v in worst32.items()))
-    for key in case["dtypes"]:  # a checkpointed last stage runs its head and loss fused (model/head_loss.py)
+    for key in case["dtypes"]:  # a checkpointed last stage runs its head and loss fused (model/slices/head_loss.py)
         assert pipeline_results[f"{case['name']}@{key}"]["fused_head_loss"] == case["ckpt"], key
     if isinstance(case["split"], dict):  # the export holds the trained weights, a shared half's once
         for key in case["dtypes"]:
             saved, trained = exported(pipeline_results, case, key), pipeline_results[f"{case['name']}@{key}"]["params"]
             assert saved.keys() == trained.keys()
             assert all(torch.equal(tensor, trained[name]) for name, tensor in saved.items())
-    for key in case["dtypes"]:  # a cut case's stages run the halves of model/halves.py, a shared
+    for key in case["dtypes"]:  # a cut case's stages run the halves of model/stages/halves.py, a shared
         types = pipeline_results[f"{case['name']}@{key}"]["layer_types"]  # one its shared_half.py layers
         halves = {None: {"AttentionHalf", "MLPHalf"}, "attn": {"SharedAttention", "MLPHalf"},
                   "mlp": {"AttentionHalf", "SharedMLP"}}[case["shared_half"]]
         assert (halves <= types) == bool(case["split"]), (key, sorted(types))
-        # terapipe.cuda_graphs: the blocks ran as units of model/captured_blocks.py (eagerly on a CPU)
+        # terapipe.cuda_graphs: the blocks ran as units of model/cuda/captured_blocks.py (eagerly on a CPU)
         assert (pipeline_results[f"{case['name']}@{key}"]["captured_units"] > 0) == case["graphs"], key
         # terapipe.compile_blocks: every decoder block of the stage compiled, and dynamo made graphs of them
         got = pipeline_results[f"{case['name']}@{key}"]

@@ -25,10 +25,10 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 from multirank import run_ranks
 
-from tp_trainer.model.adapters import adapter_for
-from tp_trainer.model.layers import SliceContext
-from tp_trainer.model.slice_cache import SequenceKV, slice_attention_mask
-from tp_trainer.model.split import split_for_config
+from tp_trainer.model.families.adapters import adapter_for
+from tp_trainer.model.stages.layers import SliceContext
+from tp_trainer.model.slices.slice_cache import SequenceKV, slice_attention_mask
+from tp_trainer.model.stages.split import split_for_config
 
 WORKER = os.path.join(os.path.dirname(__file__), "families_worker.py")
 STAGE_COUNTS = (2, 1)

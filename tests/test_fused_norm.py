@@ -1,4 +1,4 @@
-"""model/fused_norm.py: which RMSNorms are fused, that the fused op computes HF's function (fp32:
+"""model/cuda/fused_norm.py: which RMSNorms are fused, that the fused op computes HF's function (fp32:
 within rounding of HF, forward and backward, against the function in float64; bf16: no farther from
 float64 than HF), that float64 keeps HF's own forward, and that ``unfuse`` gives the class's forward
 back. On a CPU torch runs the op as its composite of ATen ops; on a GPU the GPU check's exactness
@@ -8,7 +8,7 @@ rows ("fused norm") compare the fused kernels against float64. The engine's flag
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from tp_trainer.model.fused_norm import fusable, fuse_rms_norms, fused_rms_norm, unfuse
+from tp_trainer.model.cuda.fused_norm import fusable, fuse_rms_norms, fused_rms_norm, unfuse
 
 
 def llama():
@@ -92,7 +92,7 @@ def test_config_names_the_families_whose_norms_fuse():
     from transformers import (AutoModelForCausalLM, GPTNeoConfig, MistralConfig, OPTConfig, Qwen2Config,
                               Qwen3Config)
 
-    from tp_trainer.model.fused_norm import config_has_fusable_norms
+    from tp_trainer.model.cuda.fused_norm import config_has_fusable_norms
     small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=16, max_position_embeddings=16)
     configs = [LlamaConfig(**small), MistralConfig(**small), Qwen2Config(**small), Qwen3Config(**small),

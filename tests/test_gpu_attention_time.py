@@ -14,7 +14,7 @@ import _gpu_capture as cap  # noqa: E402
 from _gpu_attention_time import WHOLE, attention_alone, attention_alone_lines  # noqa: E402
 from test_attention_cudnn import _fake_cudnn  # noqa: E402
 
-from tp_trainer.model import attention_cudnn  # noqa: E402
+from tp_trainer.model.cuda import attention_cudnn  # noqa: E402
 
 CPU = torch.device("cpu")
 LLAMA = cap.CPU_SETS["llama-w64"]   # 4 heads, 2 K/V heads, head size 16, seq 128

@@ -54,7 +54,7 @@ def test_captured_units_are_sampled_and_planned_per_weight_mode_on_the_cpu(monke
         def elapsed_time(self, end):
             return (end.at - self.at) * 1e3
 
-    from tp_trainer.model import capture
+    from tp_trainer.model.cuda import capture
     unit_graphs = capture.UnitGraphs   # without CUDA the units run eagerly, as the engine's do
     monkeypatch.setattr(capture, "UnitGraphs", lambda *args, **kwargs: unit_graphs(*args, **{**kwargs, "capture": False}))
     monkeypatch.setattr(torch.cuda, "Event", WallEvent)
@@ -194,7 +194,7 @@ def test_slice_exactness_can_fail(monkeypatch):
 
     import _gpu_capture as cap
     import _gpu_exactness
-    from tp_trainer.model import slice_cache
+    from tp_trainer.model.slices import slice_cache
 
     def blind(kv, start):   # each slice attends to itself only
         return slice_cache.SliceCache(slice_cache.SequenceKV(kv.seq_len), 0)
@@ -267,7 +267,7 @@ def test_check_kernel_refuses_figures_taken_after_a_fallback():
     import torch
 
     import _gpu_capture as cap
-    from tp_trainer.model import attention_cuda
+    from tp_trainer.model.cuda import attention_cuda
     cuda = torch.device("cuda")   # check_kernel reads the device's type only
     cap.use_kernel("auto")
     try:

@@ -14,7 +14,7 @@ import _gpu_capture as cap  # noqa: E402
 import _gpu_wavefront as wf  # noqa: E402
 from _gpu_cost import uniform_offsets  # noqa: E402
 
-from tp_trainer.model.slice_cache import SequenceKV  # noqa: E402
+from tp_trainer.model.slices.slice_cache import SequenceKV  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Blocks cut between attention and MLP at a stage boundary (model/halves.py): the split (pure), the
+"""Blocks cut between attention and MLP at a stage boundary (model/stages/halves.py): the split (pure), the
 halves against the whole HF block, the modules each stage holds, and the per-half costs and memory."""
 
 import random
@@ -8,13 +8,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from tp_trainer.checkpoint.hf_load import stage_modules
-from tp_trainer.model.adapters import adapter_for
-from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.halves import family_halves
-from tp_trainer.model.stage_specs import split_specs
-from tp_trainer.model.layers import SliceContext
-from tp_trainer.model.slice_cache import SequenceKV
-from tp_trainer.model.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
+from tp_trainer.model.families.adapters import adapter_for
+from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.stages.halves import family_halves
+from tp_trainer.model.stages.stage_specs import split_specs
+from tp_trainer.model.stages.layers import SliceContext
+from tp_trainer.model.slices.slice_cache import SequenceKV
+from tp_trainer.model.stages.split import StageSplit, block_part, layer_names, neighbours, split_by_cost
 
 CUT = StageSplit.from_names([["embed", "pos", "h.0", "h.1.attn"], ["h.1.mlp", "norm", "head"]])
 
@@ -154,7 +154,7 @@ def test_a_split_out_of_order_is_refused():
 
 
 def test_every_family_can_cut_its_blocks():
-    from tp_trainer.model.adapters import ADAPTERS
+    from tp_trainer.model.families.adapters import ADAPTERS
     assert all(family_halves(adapter) for adapter in ADAPTERS.values())
     assert family_halves(object()) is None  # an adapter without HALVES keeps whole blocks
 
@@ -186,7 +186,7 @@ def test_costs_and_memory_of_halves_add_up_to_a_block():
         layers.attn.forward, layers.mlp.forward)])
     again = LayerCosts.from_dict(layers.to_dict())
     assert again.halves and again.attn == layers.attn and again.names() == layers.names()
-    layout = plan_layout(layers, 4096, 1, 2, granularity=256, shared=())  # (shared halves: test_kv_handoff, test_shared_half)
+    layout = plan_layout(layers, 4096, 1, 2, granularity=256, shared=())  # (shared halves: test_shared_attention, test_shared_half)
     assert layout.split.layers() in ([*PREFIX, "h.0", "h.1", "h.2.attn", "h.2.mlp", "h.3", *SUFFIX],
                                      layer_names(4, PREFIX, SUFFIX))
     assert sum(layout.busy) == pytest.approx(sum(layers.layer_seconds(layout.plan)))

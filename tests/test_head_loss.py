@@ -1,12 +1,12 @@
-"""The fused LM head + cross-entropy (model/head_loss.py) against the plain path, in one process."""
+"""The fused LM head + cross-entropy (model/slices/head_loss.py) against the plain path, in one process."""
 
 from functools import partial
 
 import pytest
 import torch
 
-from tp_trainer.model import head_loss
-from tp_trainer.model.layers import LMHead, SliceContext, tied_lm_head
+from tp_trainer.model.slices import head_loss
+from tp_trainer.model.stages.layers import LMHead, SliceContext, tied_lm_head
 
 
 def _inputs(dtype, tokens=11, hidden=6, vocab=13, bias=True, seed=0):

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.split import split_stages
+from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.stages.split import split_stages
 from tp_trainer.planner.cost_model import FEATURES, PipelineCost, StageCost
 from tp_trainer.planner.layer_cost import LayerCosts, plan_layout, stage_busy
 from tp_trainer.planner.predict import predict_time

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tp_trainer.config import ConfigError, TeraPipeConfig
-from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.split import split_by_cost
+from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.stages.split import split_by_cost
 from tp_trainer.planner import memory_plan
 from tp_trainer.planner.cost_model import FEATURES, StageCost
 from tp_trainer.planner.layer_cost import LayerCosts
@@ -101,7 +101,7 @@ def test_memory_limit_config_errors():
 
 
 def test_measured_backward_peaks_fused_head_and_the_mask_cache():
-    from tp_trainer.model.layers import SliceContext
+    from tp_trainer.model.stages.layers import SliceContext
     from tp_trainer.planner.memory_model import mask_bytes
     block = replace(PARTS["block"], back_fixed=1.0 * MIB, back_token=100.0, kept_token=1024.0, ckpt_fixed=2.0 * MIB,
                     ckpt_token=3000.0)

@@ -11,7 +11,7 @@ import torch
 from multirank import run_ranks
 from test_memory_plan import _cost as synthetic_cost
 
-from tp_trainer.model.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
 from tp_trainer.planner import memory_plan
 from tp_trainer.planner.cost_model import StageCost
 from tp_trainer.planner.layer_cost import LayerCosts, plan_layout

@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_families import pipeline_layers, sliced_loss
 
-from tp_trainer.model.segments import Segments
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.slices.segments import Segments
+from tp_trainer.model.slices.slice_cache import SequenceKV
 
 FAMILIES = [("gpt2", "sdpa"), ("gpt2", "eager"), ("gpt_neo", "eager"), ("opt", "sdpa"), ("llama", "sdpa"),
             ("llama", "eager"), ("qwen2", "sdpa"), ("mistral", "eager")]

@@ -233,8 +233,8 @@ def test_captured_blocks_are_profiled_from_one_capture_per_point(monkeypatch):
     """``captured`` (a run with ``terapipe.cuda_graphs``): each grid point is one ``UnitGraphs`` over the
     blocks (captured on CUDA, unit by unit here), replayed for its warm-up and repeats at the point's
     slice and context, weight gradients in its backward (no W column); the model left as found."""
-    from tp_trainer.model import capture
-    from tp_trainer.model.layers import DecoderBlock
+    from tp_trainer.model.cuda import capture
+    from tp_trainer.model.stages.layers import DecoderBlock
     from tp_trainer.planner.cli import stage_layers
     from tp_trainer.planner.cost_model import weight_grad_fit
     from tp_trainer.planner.profile import profile_stage

@@ -192,7 +192,7 @@ def test_norm_weights_folded_once_per_step_equal_the_hooks_bit_for_bit(w_runs):
 
 @pytest.mark.parametrize("name", ("fp16-gpipe-z0", "bf16-gpipe-z0"))
 def test_captured_blocks_equal_the_backward_bit_for_bit(w_runs, name):
-    """terapipe.cuda_graphs (model/captured_blocks.py; its units run eagerly on a CPU): weight gradients
+    """terapipe.cuda_graphs (model/cuda/captured_blocks.py; its units run eagerly on a CPU): weight gradients
     in B, accumulated in ``.grad`` over the step and, under the bf16 optimizer, folded once per step with
     no DeepSpeed hook left: the same sums in the same order as weight gradients in B without it, so the
     step-0 gradients and the losses are equal bit for bit."""

@@ -2,17 +2,17 @@
 
 import pytest
 
-from tp_trainer.model.split import StageSplit
+from tp_trainer.model.stages.split import StageSplit
 from tp_trainer.planner.predict import predict_time
 from tp_trainer.planner.refine import _moves, refine_slices
 from tp_trainer.planner.report import make_plan
-from test_kv_handoff import _layer_costs
+from test_shared_attention import _layer_costs
 
 SPLIT = StageSplit.from_names([["embed", "pos", "h.0", "h.1"], ["h.2", "h.3", "norm", "head"]])
 
 
 def _cost(context=5.5e-8, constant=2e-4):
-    """The 4-block GPT-2 of test_kv_handoff with a per-unit constant (a slice's fixed cost)."""
+    """The 4-block GPT-2 of test_shared_attention with a per-unit constant (a slice's fixed cost)."""
     layers = _layer_costs(context, head=5.5e-5)
     for part in (layers.attn, layers.mlp, layers.prefix, layers.suffix):
         part.forward[0] = part.backward[0] = constant

@@ -151,8 +151,8 @@ def shared_cost_model(directory) -> str:
     """A cost model of gpt2-tiny (4 blocks x 256) under which the planner shares h.2's MLP half by
     slices between the 2 stages (test_shared_half's costs: its head makes a boundary between halves
     leave the stages 12 | 13.5 units apart)."""
-    from test_kv_handoff import _layer_costs
-    from tp_trainer.model.split import StageSplit
+    from test_shared_attention import _layer_costs
+    from tp_trainer.model.stages.split import StageSplit
     from tp_trainer.planner.layer_cost import plan_layout
     layers = _layer_costs(0.0, head=5.5e-5)
     assert plan_layout(layers, 64, 4, 2, 8, 2, "gpipe", 1e-4, 1e-10).split.shared() == (0, "h.2.mlp")
@@ -276,7 +276,7 @@ def test_other_refusals_in_process(reference, zero1_run, tmp_path):
     """The same checks called directly (no launch): another optimizer type; a missing ZeRO shard of
     DeepSpeed's files when the layout is the same (those are the files it then reads)."""
     from tp_trainer.config import ConfigError
-    from tp_trainer.model.presets import preset_config
+    from tp_trainer.model.families.presets import preset_config
     from tp_trainer.resume_checks import check_resume
 
     def model_config_for(vocab):

@@ -1,17 +1,17 @@
-"""One block's MLP half shared by two stages by slices (model/shared_half.py), against the whole HF
+"""One block's MLP half shared by two stages by slices (model/stages/shared_half.py), against the whole HF
 block; the planner's shared candidates (pure); the checks of a shared split."""
 
 import numpy as np
 import pytest
 import torch
 
-from tp_trainer.model.adapters import adapter_for
-from tp_trainer.model.halves import half_spec
-from tp_trainer.model.layers import SliceContext
-from tp_trainer.model.stage_specs import shared_specs
-from tp_trainer.model.split import StageSplit, shared_splits
+from tp_trainer.model.families.adapters import adapter_for
+from tp_trainer.model.stages.halves import half_spec
+from tp_trainer.model.stages.layers import SliceContext
+from tp_trainer.model.stages.stage_specs import shared_specs
+from tp_trainer.model.stages.split import StageSplit, shared_splits
 from test_halves import _gpt2, _llama, _opt
-from test_kv_handoff import SLICES, _layer_costs, _run_two_stages, assert_stages_equal_whole
+from test_shared_attention import SLICES, _layer_costs, _run_two_stages, assert_stages_equal_whole
 
 
 def _stages(model, after):

@@ -1,4 +1,4 @@
-"""The slice attention path (model/attention.py): exact against HF, and nothing of size seq x seq.
+"""The slice attention path (model/slices/attention.py): exact against HF, and nothing of size seq x seq.
 
 1. The kernel path (``_SliceAttention``) against a float64 softmax reference: MHA and GQA, with and
    without a sliding window, first / middle / one-token slices.
@@ -19,11 +19,11 @@ from deepspeed.pipe import TiedLayerSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from tp_trainer.model import attention
-from tp_trainer.model.adapters import adapter_for
-from tp_trainer.model.attention import SliceSpan, slice_attention_forward, span_mask
-from tp_trainer.model.layers import DecoderBlock, SliceContext
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.slices import attention
+from tp_trainer.model.families.adapters import adapter_for
+from tp_trainer.model.slices.attention import SliceSpan, slice_attention_forward, span_mask
+from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
+from tp_trainer.model.slices.slice_cache import SequenceKV
 
 
 def reference_attention(q, k, v, start, window, scale):

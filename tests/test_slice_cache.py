@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tp_trainer.model.slice_cache import SequenceKV, SliceCache, slice_attention_mask
+from tp_trainer.model.slices.slice_cache import SequenceKV, SliceCache, slice_attention_mask
 
 
 def sliced_loss_backward(model, ids, labels, slices, impl):

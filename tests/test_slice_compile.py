@@ -1,4 +1,4 @@
-"""The fused slice op (model/slice_op.py) under torch.compile: no graph break, exact against HF.
+"""The fused slice op (model/slices/slice_op.py) under torch.compile: no graph break, exact against HF.
 
 1. The decoder blocks' slice forward through the fused op traces as one graph, zero breaks
    (``torch._dynamo.explain``); the default path's K/V append (``_AppendKV``'s ``Tensor.set_``) breaks.
@@ -26,10 +26,10 @@ import pytest
 import torch
 from test_slice_attention import pipeline_layers, sliced, tiny
 
-from tp_trainer.model import attention
-from tp_trainer.model.attention import SliceSpan
-from tp_trainer.model.layers import BlockRun, _run_blocks, block_runs
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.slices import attention
+from tp_trainer.model.slices.attention import SliceSpan
+from tp_trainer.model.stages.layers import BlockRun, _run_blocks, block_runs
+from tp_trainer.model.slices.slice_cache import SequenceKV
 
 SLICES = [8, 8, 8, 8]   # uniform: start symbolic, length static (a symbolic length doubles compile time)
 SEQ = sum(SLICES)
@@ -154,7 +154,7 @@ def test_fused_op_refuses_other_masks():
 
 def test_op_schema_and_fake():
     """torch.library.opcheck: the declared mutations, the fake kernels' shapes and strides, AOT dispatch."""
-    from tp_trainer.model.attention import _in_dtype, span_mask
+    from tp_trainer.model.slices.attention import _in_dtype, span_mask
     torch.manual_seed(0)
     q = torch.randn(2, 3, 4, 8).transpose(1, 2)
     k, v = (torch.randn(2, 3, 2, 8).transpose(1, 2) for _ in range(2))
@@ -173,7 +173,7 @@ def test_other_masks_take_the_default_path():
     default path for that block: same output as without fusing, K/V written by ``_AppendKV``."""
     from unittest import mock
 
-    from tp_trainer.model import slice_op
+    from tp_trainer.model.slices import slice_op
     net = tiny("llama")
     ids = torch.randint(0, 64, (2, 8))
     outputs = []

@@ -3,8 +3,8 @@
 import pytest
 from transformers import GPT2Config
 
-from tp_trainer.model.gpt2 import PREFIX, SUFFIX
-from tp_trainer.model.split import layer_names, split_for_config, split_stages
+from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
+from tp_trainer.model.stages.split import layer_names, split_for_config, split_stages
 
 
 @pytest.mark.parametrize("blocks,stages", [(1, 1), (3, 3), (4, 2), (12, 4), (24, 5), (48, 8)])
@@ -27,7 +27,7 @@ def test_heavy_head_gets_fewer_blocks():
 
 
 def _all_two_stage_splits(blocks, hidden, vocab):
-    from tp_trainer.model.split import _assemble, block_cost
+    from tp_trainer.model.stages.split import _assemble, block_cost
     per, head = block_cost(hidden), float(vocab) * hidden
     return [_assemble([k, blocks - k], per, head, PREFIX, SUFFIX) for k in range(1, blocks)]
 
@@ -40,7 +40,7 @@ def test_more_stages_than_layers_is_refused():
 # ------------------------------------------------------------------ the split by measured cost (pure)
 from itertools import combinations  # noqa: E402
 
-from tp_trainer.model.split import split_by_cost  # noqa: E402
+from tp_trainer.model.stages.split import split_by_cost  # noqa: E402
 
 
 def _brute_force_max(costs, stages, blocks, prefix, suffix):

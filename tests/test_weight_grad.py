@@ -1,4 +1,4 @@
-"""Deferred weight gradients (model/weight_grad.py): same gradients, given later."""
+"""Deferred weight gradients (model/slices/weight_grad.py): same gradients, given later."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tp_trainer.model.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
+from tp_trainer.model.slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
 
 
 def _model():
@@ -103,9 +103,9 @@ def test_unit_flush_is_that_units_gradient_only():
 def test_deferred_linear_tied_head_and_embedding_rows():
     """The tied head (logits = h @ wte^T) and the embedding lookup give wte's gradient only at flush,
     equal to autograd's; the input gradient of the head comes at once."""
-    from tp_trainer.model.embedding_grad import slice_embedding
-    from tp_trainer.model.slice_cache import SequenceKV
-    from tp_trainer.model.weight_grad import defer_embedding, deferred_linear
+    from tp_trainer.model.slices.embedding_grad import slice_embedding
+    from tp_trainer.model.slices.slice_cache import SequenceKV
+    from tp_trainer.model.slices.weight_grad import defer_embedding, deferred_linear
     torch.manual_seed(1)
     ref, mine = nn.Embedding(11, 4, padding_idx=0), nn.Embedding(11, 4, padding_idx=0)
     mine.load_state_dict(ref.state_dict())
@@ -145,7 +145,7 @@ def test_predict_costs_w_from_profiled_samples():
 
 
 def test_the_plan_line_says_why_weight_gradients_stay_in_b():
-    from tp_trainer.model.weight_grad import weight_grads_in_b
+    from tp_trainer.model.slices.weight_grad import weight_grads_in_b
     assert weight_grads_in_b(True, 0, False, False) is None
     assert weight_grads_in_b(True, 1, False, False) is None      # ZeRO-1 reads .grad at REDUCE
     assert weight_grads_in_b(False, 0, False, False) == "terapipe.defer_weight_grads false"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .config import (ConfigError, TeraPipeConfig, check_zero_stage, compute_dtype_name, load_ds_config,
                      pipeline_stages)
 from .data import DataArgs, check_tokenizer_source
-from .model.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
+from .model.families.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _checkpoint(args):
 
 def preset(name: str, vocab_size: int):
     """A preset's HF config (dropout off; <|endoftext|> is id 0 in the embedded tokenizer)."""
-    from .model.presets import preset_config
+    from .model.families.presets import preset_config
     try:
         return preset_config(name, vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                              bos_token_id=0, eos_token_id=0)
@@ -186,7 +186,7 @@ def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
     """``terapipe.cuda_graphs`` only with what captured blocks can run (``captured_blocks.refusal``)."""
     if not terapipe.cuda_graphs:
         return
-    from .model.captured_blocks import refusal
+    from .model.cuda.captured_blocks import refusal
     bf16 = any(ds_config.get(key, {}).get("enabled", False) for key in ("bf16", "bfloat16"))
     accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "bf16")).lower()
     why = refusal(zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),

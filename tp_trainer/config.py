@@ -74,7 +74,7 @@ class TeraPipeConfig:
     cuda_graphs: bool = False
     """Run each stage's decoder blocks as CUDA graphs, one forward and one backward graph per unit
     (microbatch, slice), captured at the first step in the schedule's order and replayed after it
-    (model/captured_blocks.py): no host time per block and slice. Embedding, head, loss and
+    (model/cuda/captured_blocks.py): no host time per block and slice. Embedding, head, loss and
     DeepSpeed's step stay eager. Weight gradients: with defer_weight_grads (the default) the blocks'
     are made once per sequence, one product per weight inside the captured backward of each
     microbatch's first slice, and the other layers' in B; without it all in B. Needs ZeRO stage 0, no activation
@@ -89,7 +89,7 @@ class TeraPipeConfig:
     compile_blocks: object = None
     """A ``torch.compile`` backend ("inductor"; "aot_eager" runs ATen's kernels, exact in float64) for
     each decoder block, compiled around its K/V append and attention, which stay eager
-    (model/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
+    (model/cuda/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
     capture removes the host time the graph breaks cost; eagerly on 2 CPU cores it costs that time
     (benchmarks/host_overhead.py's GPT-2: 1218 against 809 us per block and slice). Needs no activation
     checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default). On an H200, with
@@ -98,7 +98,7 @@ class TeraPipeConfig:
     CUDA): there the compile's gain is the norm's, which inductor fuses too."""
 
     fused_rms_norm: object = "auto"
-    """Run HF's RMSNorms (Llama, Mistral, Qwen2, Qwen3) through torch's fused kernels (model/fused_norm.py)
+    """Run HF's RMSNorms (Llama, Mistral, Qwen2, Qwen3) through torch's fused kernels (model/cuda/fused_norm.py)
     instead of HF's ~19 kernels and float32 copies of the activations. "auto" (the default): on CUDA,
     off elsewhere (on a CPU torch runs the op as a composite of ATen ops: no gain); true / false force
     it. On an H200, Llama 7B-width pair at 8192 tokens: the captured blocks 8-10% faster at 1 and 8
@@ -119,7 +119,7 @@ class TeraPipeConfig:
 
     split_blocks: bool = True
     """With "auto" slices: a stage boundary may fall inside a decoder block, between its attention and
-    its MLP, where the family allows it (GPT-2, Llama, Qwen2, Mistral; ``model/halves.py``): the
+    its MLP, where the family allows it (GPT-2, Llama, Qwen2, Mistral; ``model/stages/halves.py``): the
     profile then times the two halves apart. Measured on 2 CPU ranks (compare.py, seq 8192, 4 x 256):
     the block cut against whole blocks, paired, 1.09x (1.07-1.10) the throughput; simulated with
     analytic H100-like costs (benchmarks/block_split_sim.py), 8 stages of a Llama 16 x 2048 with a
@@ -129,7 +129,7 @@ class TeraPipeConfig:
     """With "auto" slices, ``split_blocks``, 2 stages and no memory limit: a half near the boundary may
     also be held by both stages and run by slices (the early slices on the back stage, the later ones
     on the front stage), balancing the stages to a slice's grain: an MLP half
-    (``model/shared_half.py``), or with SDPA attention an attention half (``model/kv_handoff.py``).
+    (``model/stages/shared_half.py``), or with SDPA attention an attention half (``model/stages/shared_attention.py``).
     Side by side in one process pair (compare.py's default case, GPT-2 6 x 256, seq 1024, 3 runs):
     the same 5 slices ran 0.492 s a step with h.3's MLP half shared against 0.507 s without (3%;
     ``benchmarks/results/step_ab/shared_half_pair.md``). false: boundaries between halves only."""

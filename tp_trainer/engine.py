@@ -25,7 +25,7 @@ divisor, the step's scored labels over every replica / (replicas x microbatches)
 of a microbatch, so the step's loss is the mean over the global batch's scored tokens. Every stage
 reads the microbatches itself, middle stages too (DeepSpeed hands the iterator to the first and last
 only): the positions tell each stage's attention and position ids where the examples start
-(``model/segments.py``), with no message between stages.
+(``model/slices/segments.py``), with no message between stages.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
-from .model.captured_blocks import capture_blocks
-from .model.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
-from .model.segments import MicrobatchLayouts
-from .model.slice_cache import SequenceKV
-from .model.weight_grad import defer_stage_weight_grads, weight_grads_in_b
+from .model.cuda.captured_blocks import capture_blocks
+from .model.slices.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
+from .model.slices.segments import MicrobatchLayouts
+from .model.slices.slice_cache import SequenceKV
+from .model.slices.weight_grad import defer_stage_weight_grads, weight_grads_in_b
 from .memory import ActivationTracker, used_above_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -114,7 +114,7 @@ class TeraPipeEngine(PipelineEngine):
 
     def _fused_head_loss(self) -> HeadLossLabels | None:
         """On an activation-checkpointed last stage, the LM head and its cross-entropy as one function
-        that keeps only the head's input for backward (model/head_loss.py), so checkpointing covers
+        that keeps only the head's input for backward (model/slices/head_loss.py), so checkpointing covers
         the (tokens, vocab) log-softmax too. The stage's forward then returns the summed loss."""
         if not self.is_last_stage() or self.module.activation_checkpoint_interval == 0:
             return None

@@ -37,8 +37,8 @@ from . import lora_io
 from .checkpoint import layout_free
 from .checkpoint.hf_save import finish, fresh_tmp, shard_file, write_shard
 from .config import ConfigError
-from .model.adapters import adapter_for
-from .model.layers import HFPart, SliceContext
+from .model.families.adapters import adapter_for
+from .model.stages.layers import HFPart, SliceContext
 
 MAX_SHARD_BYTES = 5 * 2**30  # HF's default shard size
 

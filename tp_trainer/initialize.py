@@ -26,10 +26,10 @@ from .failures import together
 from .lora import add_lora
 from .ds_compat import bf16_fold_config, stage_of_rank
 from .memory import device_used_mb
-from .model.compiled_blocks import compile_blocks
-from .model.fused_norm import fuse_rms_norms
-from .model.layers import DecoderBlock
-from .model.pipeline import build_pipeline_module
+from .model.cuda.compiled_blocks import compile_blocks
+from .model.cuda.fused_norm import fuse_rms_norms
+from .model.stages.layers import DecoderBlock
+from .model.stages.pipeline import build_pipeline_module
 from .plan import RunPlan
 
 
@@ -174,8 +174,8 @@ def replica_batch(ds_config: dict, replicas: int) -> tuple[int, int]:
 def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | None = None):
     """The measured split and slices (``planner.auto.measured_layout``), before the model is built.
     Returns (Layout, report text). Collective."""
-    from .model.adapters import adapter_for
-    from .model.split import split_for_config
+    from .model.families.adapters import adapter_for
+    from .model.stages.split import split_for_config
     from .planner.auto import measured_layout as plan
     terapipe, stages = spec.terapipe, spec.stages
     micro, accumulation = replica_batch(spec.ds_config, launch_world_size() // stages)

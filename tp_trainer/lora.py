@@ -225,7 +225,7 @@ def add_lora(module, terapipe, config, seed: int, checkpoint: str | None) -> Non
 def load_adapter(module, path: str) -> None:
     """Give this stage's adapters (and ``modules_to_save``) their values from a PEFT adapter
     directory; every trainable tensor of the stage must be there."""
-    from .model.pipeline import hf_named_parameters
+    from .model.stages.pipeline import hf_named_parameters
     trainable = {n: p for n, p in hf_named_parameters(module).items() if p.requires_grad}
     loaded = set()
     from safetensors import safe_open
@@ -253,13 +253,13 @@ def from_peft_key(key: str) -> str:
 
 
 def hf_parts(module) -> list:
-    from .model.layers import HFPart
+    from .model.stages.layers import HFPart
     return [part for part in module.modules() if isinstance(part, HFPart)]
 
 
 def lora_parameters(module) -> dict[str, nn.Parameter]:
     """This stage's adapter parameters by HF name (``...c_attn.lora_A.default.weight``)."""
-    from .model.pipeline import hf_named_parameters
+    from .model.stages.pipeline import hf_named_parameters
     return {name: p for name, p in hf_named_parameters(module).items() if ".lora_" in name}
 
 
@@ -275,11 +275,6 @@ def init_adapters(module, seed: int) -> None:
         bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
         value = torch.rand(param.shape, generator=generator, dtype=torch.float64) * 2 * bound - bound
         param.copy_(value.to(param.dtype))
-
-
-def has_lora(module) -> bool:
-    """True where the stage holds LoRA adapters."""
-    return any(".lora_" in name for name, _ in module.named_parameters())
 
 
 # ---------------------------------------------------------------- the memory planner (first cut)

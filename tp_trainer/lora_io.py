@@ -25,7 +25,7 @@ def to_peft_key(name: str) -> str:
 
 def adapter_state(module) -> dict[str, torch.Tensor]:
     """This stage's trainable tensors (adapters, ``modules_to_save``) by PEFT key, on the CPU."""
-    from .model.pipeline import hf_named_parameters
+    from .model.stages.pipeline import hf_named_parameters
     return {to_peft_key(name): p.detach().to("cpu").clone() for name, p in hf_named_parameters(module).items()
             if p.requires_grad}
 

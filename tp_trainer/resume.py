@@ -32,7 +32,7 @@ from deepspeed.accelerator import get_accelerator
 
 from .checkpoint import layout_free, optimizer_state
 from .config import ConfigError
-from .model.split import HALF_NAMES, block_part
+from .model.stages.split import HALF_NAMES, block_part
 from .plan import SlicePlan
 
 COMPLETE = "COMPLETE"

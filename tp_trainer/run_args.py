@@ -31,7 +31,7 @@ class RunArgs:
     deepspeed_config: str = field(metadata={"added_by": "deepspeed.add_config_arguments"})
     # ------------------------------------------------------------------ model
     model_name_or_path: str | None = _flag(None, "HF checkpoint: hub id or local save_pretrained directory", "model")
-    config_name: str = _flag("gpt2-tiny", "preset for random init (see tp_trainer/model/presets.py)", "model")
+    config_name: str = _flag("gpt2-tiny", "preset for random init (see tp_trainer/model/families/presets.py)", "model")
     tokenizer_name: str | None = _flag(None, "HF tokenizer (hub id or local dir); default: the embedded BPE", "model")
     rope_scaling: str | None = _flag(
         None, "rotary models: HF's rope_scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0}' (also "

@@ -26,11 +26,11 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ConfigError
-from ..model.adapters import adapter_for
-from ..model.halves import module_args
-from ..model.stage_specs import split_specs
-from ..model.layers import SliceContext
-from ..model.split import StageSplit, split_for_config
+from ..model.families.adapters import adapter_for
+from ..model.stages.halves import module_args
+from ..model.stages.stage_specs import split_specs
+from ..model.stages.layers import SliceContext
+from ..model.stages.split import StageSplit, split_for_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

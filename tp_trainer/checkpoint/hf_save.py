@@ -19,7 +19,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from ..model.layers import HFPart
+from ..model.stages.layers import HFPart
 from .hf_load import INDEX, SINGLE, CheckpointError, persistent_tensors
 
 

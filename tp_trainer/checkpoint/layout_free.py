@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..model.pipeline import hf_named_parameters
+from ..model.stages.pipeline import hf_named_parameters
 from . import optimizer_state
 from .hf_load import CheckpointError
 from .hf_save import stage_state

@@ -6,7 +6,7 @@ Each example (tokens x_0 .. x_{n-1}, from ``instructions.tokenize_examples``) oc
     input_ids  x_0 .. x_{n-1}
     labels     x_1 .. x_{n-1}, -100   (a label is -100 where that token is not scored; the last
                                         position of an example predicts nothing)
-    positions  0 .. n-1               (they restart per example: ``model/segments.py`` derives the
+    positions  0 .. n-1               (they restart per example: ``model/slices/segments.py`` derives the
                                         attention of each token from them)
 
 The padding after the last example is one more segment (eos ids, positions 0.., labels -100): it

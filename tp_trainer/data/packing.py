@@ -48,7 +48,7 @@ from datasets.fingerprint import Hasher
 
 from .corpus import DataArgs, DataConfigError, data_format_checked, load_text_dataset
 from .examples import ExampleBlocks
-from .instructions import tokenize_examples
+from .scored_rows import tokenize_examples
 
 TOKENS_FEATURES = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
 _FORMAT_VERSION = "tp_trainer-tokenize-v1"  # bump when the tokenized layout changes

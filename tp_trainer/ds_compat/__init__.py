@@ -11,7 +11,7 @@ so an upgrade fails at once with a message naming the touch and what changed.
 Three kinds of touch:
 - the thin functions below: the rest of the package calls them instead of the private member;
 - ``OVERRIDES``: PipelineEngine / PipelineModule methods our subclasses replace by name (they stay in
-  ``engine.py`` and ``model/pipeline.py``); the check holds the base method's signature and the
+  ``engine.py`` and ``model/stages/pipeline.py``); the check holds the base method's signature and the
   call in DeepSpeed that reaches our override;
 - members used outside the package (tests, benchmarks) or by modules that keep their own call,
   listed with ``used_by`` so an upgrade shows every place to look at.

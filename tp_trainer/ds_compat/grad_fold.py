@@ -15,7 +15,7 @@ Instead, for the whole run (``fold_as_made``, from the engine's constructor):
   (norm weights and biases when W's are scheduled; every weight when they run inside B);
 - the optimizer's per-backward clear is switched off: every ``.grad`` is None already;
 - a scheduled W adds each unit's weight gradient straight into the parameter's buffer
-  (``MasterGrads.buffer``, used by ``model/weight_grad.py``): no bf16 ``.grad`` for it, no fold.
+  (``MasterGrads.buffer``, used by ``model/slices/weight_grad.py``): no bf16 ``.grad`` for it, no fold.
 - with W's scheduled, DeepSpeed's hook comes off every parameter whose gradient autograd never makes
   (the W's) and every parameter whose buffer is in its own dtype (``MasterGrads.hold_in_grad``); autograd
   accumulates the latter's ``.grad`` (norm weights and biases) in C++ and ``fold_held`` adds it into the

@@ -56,11 +56,11 @@ OVERRIDES = (
           source=(("_take_model_step", ("self.clip_fp32_gradients()",)),)),
     Touch(PIPE_MODULE, "_partition_layers", "Stage boundaries from our cost-balanced StageSplit; "
           "PipelineModule.__init__ calls it by name after the topology is known.", PIPE_SINCE,
-          ("tp_trainer/model/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
+          ("tp_trainer/model/stages/pipeline.py", "benchmarks/_compare_models.py"), params=("self", "method"),
           source=(("__init__", ("self._partition_layers(method=partition_method)",)),)),
     Touch(PIPE_MODULE, "_synchronize_tied_weights", "Broadcasts the tied weights from their first stage; "
           "ours runs it under torch.no_grad (no autograd warning at the first backward). __init__ and "
-          "load_state_dir call it by name.", "checked 0.19.8", ("tp_trainer/model/pipeline.py",), params=("self",),
+          "load_state_dir call it by name.", "checked 0.19.8", ("tp_trainer/model/stages/pipeline.py",), params=("self",),
           source=(("__init__", ("self._synchronize_tied_weights()",)),
                   ("load_state_dir", ("self._synchronize_tied_weights()",)))),
 )
@@ -258,7 +258,7 @@ TOUCHES = (
           "export.layer_file reads them by that name.", "checked 0.19.8", ("tp_trainer/export.py",),
           source=(("ckpt_layer_path", ("f'layer_{idx:02d}'", "'-model_states.pt'")),)),
     Touch(PIPE_MODULE, "__init__", "TeraPipeModule passes layers, num_stages, partition_method.", PIPE_SINCE,
-          ("tp_trainer/model/pipeline.py",), params=("self", "layers", "num_stages")),
+          ("tp_trainer/model/stages/pipeline.py",), params=("self", "layers", "num_stages")),
     # ------------------------------------------------------------------ layout-free optimizer state
     Touch(ZERO, "_lazy_init_hp_params_optimizer_state", "Links each parameter's fragment views of the flat "
           "fp32 partition's optimizer state (bit16_groups[i], single_partition_of_fp32_groups[i]) once, "

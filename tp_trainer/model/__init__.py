@@ -1,0 +1,1 @@
+"""The model, split by concern: ``slices/`` (one slice through HF layers: its K/V cache, attention, deferred weight gradients), ``stages/`` (the stage split into DeepSpeed layers), ``families/`` (per-family adapters and presets), ``cuda/`` (CUDA-only paths: slice kernels, captured and compiled blocks, fused norms)."""

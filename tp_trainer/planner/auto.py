@@ -23,7 +23,7 @@ from . import memory_plan
 from .layer_cost import LayerCosts, Layout, describe_layout, measure_layers, plan_layout
 from .memory_model import GIB
 from .memory_plan import NoPlanFits
-from ..model.split import HALF_NAMES
+from ..model.stages.split import HALF_NAMES
 from .profile import time_copy
 from .report import report
 
@@ -192,8 +192,8 @@ def measured_settings(device_type: str, dtype: str, fused_norm: bool, config, ca
     whether the RMSNorms ran fused (false where the family has none to fuse), whether the blocks
     ran from CUDA graphs and the slice attention kernel (``attention_cuda.measured_kernel``). Written
     into the cost model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
-    from ..model.attention_cuda import measured_kernel
-    from ..model.fused_norm import config_has_fusable_norms
+    from ..model.cuda.attention_cuda import measured_kernel
+    from ..model.cuda.fused_norm import config_has_fusable_norms
     return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config)),
             "cuda_graphs": bool(captured), "attention": measured_kernel(device_type, dtype)}
 
@@ -203,9 +203,9 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 def shareable_halves(config) -> tuple[str, ...]:
     """The kinds of half a split may share between two stages by slices: an MLP half always
-    (model/shared_half.py); an attention half where the model's attention goes through HF's attention
+    (model/stages/shared_half.py); an attention half where the model's attention goes through HF's attention
     interface (SDPA), which it needs to skip the attention kernel of slices whose k, v alone it
-    wants (model/kv_handoff.py)."""
+    wants (model/stages/shared_attention.py)."""
     attn, mlp = HALF_NAMES
     return (attn, mlp) if getattr(config, "_attn_implementation", None) == "sdpa" else (mlp,)
 

@@ -5,7 +5,7 @@
     python -m tp_trainer.planner --seq_len 2048 --batch 8 --stages 4 --cost_model runs/cost.json
 
 ``--model``: a HF checkpoint directory or config.json (only the config is read: timing needs the
-shapes, not the weights), or a preset of tp_trainer/model/presets.py (``tiny`` = ``gpt2-tiny``).
+shapes, not the weights), or a preset of tp_trainer/model/families/presets.py (``tiny`` = ``gpt2-tiny``).
 ``--profile`` measures every stage here, one after the other, in this process (GPT-2 family); with
 ``--layers`` (any family) the prefix, one block and the suffix instead, and the stages are placed by
 measured cost (as ``"slices": "auto"`` does), on ``--device`` in ``--dtype``, the norms and blocks as
@@ -33,12 +33,12 @@ from .report import make_plan, report
 
 
 def model_config(spec: str):
-    """The model's config: a preset name (tp_trainer/model/presets.py; "tiny" = gpt2-tiny with the
+    """The model's config: a preset name (tp_trainer/model/families/presets.py; "tiny" = gpt2-tiny with the
     embedded tokenizer's 8192 tokens, GPT-2 presets with GPT-2's 50257), or a checkpoint directory or
     config.json path of any family (its own config class, by ``model_type``)."""
     from transformers import AutoConfig
 
-    from ..model.presets import PRESETS, preset_config
+    from ..model.families.presets import PRESETS, preset_config
     name = "gpt2-tiny" if spec == "tiny" else spec
     if name in PRESETS:
         return preset_config(name, vocab_size=8192 if name == "gpt2-tiny" else 50257)
@@ -53,13 +53,13 @@ def stage_layers(model, stages: int):
     """([callables of stage s] for each stage, SliceContext) without DeepSpeed's process group."""
     from deepspeed.pipe import TiedLayerSpec
 
-    from ..model.layers import SliceContext
-    from ..model.split import split_for_config
+    from ..model.stages.layers import SliceContext
+    from ..model.stages.split import split_for_config
     try:  # model families by adapter (newer layout); GPT-2 module functions otherwise
-        from ..model.adapters import adapter_for
+        from ..model.families.adapters import adapter_for
         family = adapter_for(model.config)
     except ImportError:
-        from ..model import gpt2 as family
+        from ..model.families import gpt2 as family
     make_specs = getattr(family, "layer_specs", None) or getattr(family, "gpt2_layer_specs")
     ctx = SliceContext(model.config._attn_implementation or "sdpa")
     specs = make_specs(model, ctx)
@@ -130,8 +130,8 @@ def plan_layers(args, config, cost) -> None:
     """Plan from per-layer costs (profiled here with --layers, or a cost model's meta["layers"]) and
     print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
     from ..config import fuses_norms
-    from ..model.adapters import adapter_for
-    from ..model.split import split_for_config
+    from ..model.families.adapters import adapter_for
+    from ..model.stages.split import split_for_config
     from .auto import _plan, measured_settings
     from .layer_cost import LayerCosts, measure_layers
     if cost is None:

@@ -88,7 +88,7 @@ class StageCost:
     step_time: float = 0.0
     heldout: dict = field(default_factory=dict)
     samples: list = field(default_factory=list)  # [b, l, c, forward s, backward s] as measured
-    # parts run for some slices only (a half two stages share, model/shared_half.py):
+    # parts run for some slices only (a half two stages share, model/stages/shared_half.py):
     # [forward, backward, W coefficients (or None), threshold, late]: counted for the units whose
     # context c >= threshold (late) or c < threshold (not late)
     gated: list = field(default_factory=list)

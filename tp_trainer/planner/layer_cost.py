@@ -14,7 +14,7 @@ costs the sum of the parts' coefficient vectors: every split is priced without p
 (``model.split.split_by_cost``, the busiest stage least), plan the slices for that split's stage
 costs (TeraPipe's DP), until a split repeats; then it tries the best split's neighbours (one
 boundary moved by one unit); on 2 stages it then tries sharing a half near the boundary by slices
-(an attention half: ``model/kv_handoff.py``; an MLP half: ``model/shared_half.py``; the threshold
+(an attention half: ``model/stages/shared_attention.py``; an MLP half: ``model/stages/shared_half.py``; the threshold
 that balances the stages' busy time at the slices, then the slices again, twice); it keeps the
 (split, plan) of least predicted step, and refines that plan's slices under the simulated step
 (``refine.py``: side by side in one process pair, compare.py's default case, the refined 5 slices ran
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..model.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, shared_splits, split_by_cost
+from ..model.stages.split import HALF_NAMES, StageSplit, block_part, layer_names, neighbours, shared_splits, split_by_cost
 from .cost_model import FEATURES, PipelineCost, StageCost, features, fit_line, link_line, weight_grad_fit
 from .dp import PlannedBatch
 from .predict import predict_time, with_slices
@@ -81,11 +81,11 @@ class LayerCosts:
 
     def stage_cost(self, names, gate: tuple | None = None) -> StageCost:
         """The StageCost of a stage holding ``names`` (sum of its parts' coefficients); ``gate``:
-        (name, after, front) of a half this stage shares with its neighbour (model/shared_half.py),
+        (name, after, front) of a half this stage shares with its neighbour (model/stages/shared_half.py),
         which then counts for the slices it runs here (``StageCost.gated``): on the front stage
         those from token ``after`` on, on the back stage the earlier ones; an attention half also
         costs the front stage its linear part (no context term) for the earlier slices, whose k, v
-        it computes (model/kv_handoff.py)."""
+        it computes (model/stages/shared_attention.py)."""
         shared = gate[0] if gate else None
         cost = summed_cost([self.part_of(n) for n in names if n != shared and self.part_of(n) is not None],
                            self.block)
@@ -259,7 +259,7 @@ def plan_layout(layers: LayerCosts, seq_len: int, batch: int, stages: int, granu
         if (near.names, 0) not in seen:
             planned(near)
     best = min(seen.values(), key=lambda layout: layout.predicted)
-    if shared and layers.halves and stages == 2:   # a half shared by slices (kv_handoff, shared_half)
+    if shared and layers.halves and stages == 2:   # a half shared by slices (shared_attention, shared_half)
         for names in shared_splits(best.split, shared):
             layout = best
             for _ in range(2):   # the threshold that balances the stages at the slices, then re-slice
@@ -311,10 +311,10 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True, 
     from deepspeed.pipe import TiedLayerSpec
     from transformers import AutoModelForCausalLM
 
-    from ..model.adapters import adapter_for
-    from ..model.fused_norm import fuse_rms_norms
-    from ..model.halves import family_halves, half_spec
-    from ..model.layers import SliceContext
+    from ..model.families.adapters import adapter_for
+    from ..model.cuda.fused_norm import fuse_rms_norms
+    from ..model.stages.halves import family_halves, half_spec
+    from ..model.stages.layers import SliceContext
     small = copy.deepcopy(config)
     small.num_hidden_layers = 1
     with torch.random.fork_rng(devices=[]):

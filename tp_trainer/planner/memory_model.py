@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..model.split import block_part
+from ..model.stages.split import block_part
 from ..schedule import BackwardSlice, ForwardSlice, WeightGrad
 
 GIB = 2 ** 30
@@ -231,7 +231,7 @@ def mask_bytes(pair_bytes: float, units: dict) -> tuple[float, dict]:
     built per slice}): each slice after the first has an l x (c + l) mask (``pair_bytes`` a pair),
     kept per plan in the order first met while they total <= ``SliceContext.PLAN_CACHE_MASK_BYTES``,
     else built for its slice alone (one at a time: it lives until the next slice begins)."""
-    from ..model.layers import SliceContext
+    from ..model.stages.layers import SliceContext
     cached, uncached = 0.0, {}
     if pair_bytes <= 0:
         return cached, uncached
@@ -340,7 +340,7 @@ def _forward(runner, ctx, kv, l, c, checkpointed: bool):
 
 def _fuse_head(funcs: list):
     """The labels holder of the fused LM-head loss put in place of ``funcs``' head (None: no head)."""
-    from ..model.head_loss import fuse_head_loss
+    from ..model.slices.head_loss import fuse_head_loss
     return fuse_head_loss(funcs)
 
 
@@ -361,7 +361,7 @@ def _plain_unit(runner, ctx, l, c):
     """(bytes saved for backward outside K/V, K/V bytes per sequence token, backward peak above, bytes
     the slice context's per-plan tables other than masks grew by: the first unit run at (l, c))."""
     from ..memory import ActivationTracker
-    from ..model.slice_cache import SequenceKV
+    from ..model.slices.slice_cache import SequenceKV
     kv, tracker = SequenceKV(runner.seq_len), ActivationTracker(runner.params)
     tables = ctx.held_bytes(masks=False)
     with tracker.track():
@@ -383,7 +383,7 @@ def _checkpointed_unit(runner, ctx, l, c):
     holds none of them (which pages of a fresh buffer are resident depends on the allocator). None,
     None without VmHWM."""
     from ..memory import bytes_in_use
-    from ..model.slice_cache import SequenceKV
+    from ..model.slices.slice_cache import SequenceKV
     kv = SequenceKV(runner.seq_len)
     _forward(runner, ctx, kv, l, c, checkpointed=True)  # its output and graph dropped at once
     start, masks, tables = bytes_in_use(runner.device), ctx.held_bytes(masks=True), ctx.held_bytes(masks=False)

@@ -1,6 +1,6 @@
 """Measuring a stage's own layers: forward + backward of one slice over a grid of (b, l, c).
 
-The layers are the real ones of the stage (HF blocks wrapped as in ``tp_trainer.model.layers``),
+The layers are the real ones of the stage (HF blocks wrapped as in ``tp_trainer.model.stages.layers``),
 run exactly as the engine runs them: ``SliceContext.begin`` with a ``SequenceKV`` holding c tokens
 of context, the layers called in order, the loss on the last stage (cross-entropy summed over the
 slice), ``backward`` with an output gradient elsewhere. Each grid point is run ``warmup`` times
@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from ..model.layers import SliceContext, TokenEmbedding
-from ..model.slice_cache import SequenceKV
-from ..model.weight_grad import DeferredWeightGrads, defer_stage, restore
+from ..model.stages.layers import SliceContext, TokenEmbedding
+from ..model.slices.slice_cache import SequenceKV
+from ..model.slices.weight_grad import DeferredWeightGrads, defer_stage, restore
 from .cost_model import FEATURES, StageCost
 
 
@@ -110,7 +110,7 @@ class StageRunner:
         t1 = time.perf_counter()
         out.backward(None if out.dim() == 0 else torch.randn_like(out))
         _sync(self.device)
-        if self.weight_grads is not None:  # the stage's W of this unit (model/weight_grad.py)
+        if self.weight_grads is not None:  # the stage's W of this unit (model/slices/weight_grad.py)
             t2 = time.perf_counter()
             self.weight_grads.flush()
             _sync(self.device)
@@ -124,7 +124,7 @@ class StageRunner:
         runs the unit eagerly). Each replay starts with the copy of its input (its gradient) into the
         static tensor, as the engine's does. ``close_unit`` releases the graphs."""
         if self.unit is None or self.unit[0] != (b, l, c):
-            from ..model.capture import UnitGraphs, layer_callbacks
+            from ..model.cuda.capture import UnitGraphs, layer_callbacks
             self.close_unit()
             run_forward, begin_backward, _ = layer_callbacks(self.funcs, self.ctx, [(c, l)])
             saved = self.ctx.state()

@@ -145,7 +145,7 @@ class WeightGrad(SliceInstruction):
     """Compute the weight gradients of one unit on this stage. Code ``W`` (``1W0.3``).
 
     Effect: the layers whose weight gradients the stage defers (zero-bubble's B / W split:
-    ``model/weight_grad.py``) compute dW = x^T dy (and db = sum dy) from the (x, dy) that the
+    ``model/slices/weight_grad.py``) compute dW = x^T dy (and db = sum dy) from the (x, dy) that the
     unit's ``BackwardSlice`` kept, and add them into ``.grad``; the kept pair is then freed. Where
     the engine defers nothing (e.g. bf16), ``BackwardSlice`` already did it and this is a no-op.
     Pairing: after ``BackwardSlice`` of the same unit on the same stage; before

@@ -45,7 +45,7 @@ class StageSplit:
     costs: tuple[float, ...]
     unit: str = "/token"  # what ``costs`` count: "/token" (estimate) or " s/step" (measured)
     # > 0: the half that ends one stage and begins the next (the same name on both) is shared by
-    # slices (an attention half: model/kv_handoff.py; an MLP half: model/shared_half.py): slices
+    # slices (an attention half: model/stages/shared_attention.py; an MLP half: model/stages/shared_half.py): slices
     # starting at or after this token run it on the front stage, the earlier ones on the back stage
     shared_after: int = 0
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec
 
-from .layers import (
+from ..stages.layers import (
     DecoderBlock,
     FinalNorm,
     LearnedPositions,
     SliceContext,
 )
-from .specs import embed_and_head_specs
+from ..stages.specs import embed_and_head_specs
 
 PREFIX = ("embed", "pos")
 SUFFIX = ("norm", "head")

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from .capture import UnitGraphs, layer_callbacks
-from .layers import DecoderBlock
-from .weight_grad import DeferredWeightGrads, defer, deferrable_linears
+from ..stages.layers import DecoderBlock
+from ..slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears
 
 
 def refusal(*, zero_stage: int, checkpointing: bool, hooked_params: bool) -> str | None:

@@ -35,7 +35,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .embedding_grad import sliceable
-from .layers import DecoderBlock, LearnedPositions, LMHead, Projection, TokenEmbedding, tied_lm_head
+from ..stages.layers import DecoderBlock, LearnedPositions, LMHead, Projection, TokenEmbedding, tied_lm_head
 
 
 class DeferredWeightGrads:

@@ -1,13 +1,13 @@
 """The layer specs of a split's stages: the adapter's whole-block specs, with the blocks at a stage
-boundary cut in halves (``model/halves.py``) and a half two stages share by slices replaced by its
-two stages' tied specs (``model/shared_half.py``, ``model/kv_handoff.py``)."""
+boundary cut in halves (``model/stages/halves.py``) and a half two stages share by slices replaced by its
+two stages' tied specs (``model/stages/shared_half.py``, ``model/stages/shared_attention.py``)."""
 
 from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from .halves import ATTN, MLP, AttentionHalf, MLPHalf, family_halves, half_spec
-from .kv_handoff import SharedAttention
+from .shared_attention import SharedAttention
 from .shared_half import SharedMLP
 from .split import StageSplit, layer_names
 

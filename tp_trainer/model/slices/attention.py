@@ -42,7 +42,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from .attention_cuda import cuda_path, slice_attention_cuda
+from ..cuda.attention_cuda import cuda_path, slice_attention_cuda
 from .slice_op import fused_slice_attention
 
 ATTN_NAME = "tp_slice_sdpa"
@@ -210,7 +210,7 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
 @torch.compiler.disable   # a compiled block (compiled_blocks.py) attends eagerly: the span's start changes every slice
 def _span_attention(module, query, key, value, span: SliceSpan, dropout, scaling, is_causal, **kwargs):
     """The slice's attention over keys / values [0, c + l) (the slice cache's views)."""
-    if getattr(span.source, "keys_only", False):  # kv_handoff: only k, v are wanted from this call
+    if getattr(span.source, "keys_only", False):  # shared_attention: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if span.segments is None and cuda_path(query, key, span, dropout, kwargs):  # packed: the masked path below
         return slice_attention_cuda(query, key, value, span, scaling), None

@@ -5,7 +5,7 @@ half by SLICES balances them to a slice's grain: slices starting at or after ``a
 on the front (earlier) stage, the others on the back stage; where a stage does not run it, the
 hidden state passes unchanged, so the message between the stages keeps its shape.
 
-- An attention half needs the k, v of every earlier slice: ``model/kv_handoff.py`` (the front
+- An attention half needs the k, v of every earlier slice: ``model/stages/shared_attention.py`` (the front
   stage computes the early slices' k, v itself).
 - An MLP half is per token (no context, no cache), so each stage runs it for its slices and nothing
   else: no work is done twice. GPT-2 6 x 256 at 1024 tokens, planned here: predicted busy 0.336 /

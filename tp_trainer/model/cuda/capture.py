@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from .slice_cache import SequenceKV
+from ..slices.slice_cache import SequenceKV
 
 Unit = tuple[str, int, int]   # ("F" | "B", microbatch, slice)
 

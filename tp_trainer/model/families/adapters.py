@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import gpt2, gpt_neo, llama, opt
+from . import gpt2
+from . import gpt_neo
+from . import llama
+from . import opt
 
 ADAPTERS: dict[str, ModuleType] = {
     "gpt2": gpt2,
@@ -162,5 +165,5 @@ def check_positions(seq_len: int, config) -> str | None:
 
 
 def _error(field: str, message: str):
-    from ..config import ConfigError
+    from ...config import ConfigError
     return ConfigError(f"{field}: {message}")

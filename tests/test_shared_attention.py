@@ -1,15 +1,15 @@
-"""One block's attention shared by two stages by slices (model/kv_handoff.py), against the whole HF
+"""One block's attention shared by two stages by slices (model/stages/shared_attention.py), against the whole HF
 block: the outputs, the input's gradient and every parameter's summed gradient, run slice by slice
 with each stage's own K/V buffers and backward in reverse slice order, as the engine runs them."""
 
 import pytest
 import torch
 
-from tp_trainer.model.adapters import adapter_for
-from tp_trainer.model.halves import half_spec
-from tp_trainer.model.stage_specs import shared_specs
-from tp_trainer.model.layers import SliceContext
-from tp_trainer.model.slice_cache import SequenceKV
+from tp_trainer.model.families.adapters import adapter_for
+from tp_trainer.model.stages.halves import half_spec
+from tp_trainer.model.stages.stage_specs import shared_specs
+from tp_trainer.model.stages.layers import SliceContext
+from tp_trainer.model.slices.slice_cache import SequenceKV
 from test_halves import _gpt2, _gpt_neo, _llama, _opt
 
 SLICES = [10, 8, 6]
@@ -96,7 +96,7 @@ def test_a_model_without_sdpa_attention_cannot_share():
 def test_each_stage_runs_the_slices_it_owns():
     """The front stage computes the branch for the late slices only (the early ones: k, v only, no
     attention kernel); the back stage for the early ones; the other slices pass unchanged."""
-    from tp_trainer.model import attention
+    from tp_trainer.model.slices import attention
     model = _gpt2()
     contexts, (first, second), _ = _stages(model, 18, "sdpa")
     calls = []
@@ -118,7 +118,7 @@ def _layer_costs(context_cost: float, head: float = 2.3e-4):
     """4 blocks of GPT-2 4 x 256 roughly as measured at 8192 tokens: attention per token plus a
     context term, a cheap MLP half, a head about a block (``head``: its seconds per token)."""
     import numpy as np
-    from tp_trainer.model.gpt2 import PREFIX, SUFFIX
+    from tp_trainer.model.families.gpt2 import PREFIX, SUFFIX
     from tp_trainer.planner.cost_model import FEATURES, StageCost
     from tp_trainer.planner.layer_cost import LayerCosts, summed_cost
 
@@ -162,7 +162,7 @@ def test_no_sharing_where_the_stages_balance_without_it():
 
 
 def test_a_shared_split_is_checked():
-    from tp_trainer.model.split import StageSplit
+    from tp_trainer.model.stages.split import StageSplit
     good = StageSplit.from_names([["embed", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "head"]], 64)
     assert good.shared() == (0, "h.1.attn") and "shared by stages 0 and 1" in good.describe()
     for names, before in (([["embed", "h.0", "h.1.attn"], ["h.1.attn", "h.1.mlp", "head"]], 0),
@@ -179,7 +179,7 @@ def test_seeded_init_does_not_depend_on_the_split(names, after):
     """A stage holding half a block (or a shared half) gets the whole block's seeded weights, so
     variants that split differently train the same model (compare.py's first-step losses)."""
     from tp_trainer.checkpoint import materialize_stage, meta_model
-    from tp_trainer.model.split import StageSplit
+    from tp_trainer.model.stages.split import StageSplit
     config = _gpt2().config
     whole = meta_model(config)
     materialize_stage(whole, 1, None, seed=5, stage=0)

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .layers import LMHead, tied_lm_head
+from ..stages.layers import LMHead, tied_lm_head
 
 CHUNK_BYTES = 64 * 2 ** 20   # fp32 logits per chunk (vocab 8192: 2048 tokens; 50257: 333)
 IGNORE_INDEX = -100

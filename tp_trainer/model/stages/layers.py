@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .embedding_grad import slice_embedding
-from .attention import ATTN_NAME, SliceSpan, redirect
-from .slice_cache import FusedSliceCache, SequenceKV, SliceCache, slice_attention_mask
+from ..slices.embedding_grad import slice_embedding
+from ..slices.attention import ATTN_NAME, SliceSpan, redirect
+from ..slices.slice_cache import FusedSliceCache, SequenceKV, SliceCache, slice_attention_mask
 
 
 class SliceContext:
@@ -22,7 +22,7 @@ class SliceContext:
     Set by the engine (``begin``) before the stage's layers run on a slice. What depends only on
     (start, length) - position ids, rotary (cos, sin), eager masks - is built once per plan and
     reused by every step (``per_plan``); what a slice's layers share, once per slice (``per_slice``).
-    A microbatch of packed examples (``segments``, from its ``SequenceKV``: ``model/segments.py``)
+    A microbatch of packed examples (``segments``, from its ``SequenceKV``: ``model/slices/segments.py``)
     has its own positions and masks, so those are built once per slice instead.
     """
 
@@ -38,7 +38,7 @@ class SliceContext:
         self._per_slice: dict = {}
         self._per_plan: dict = {}
         self._mask_bytes = 0
-        self.keys_only = False   # set while a shared attention half only stores a slice's K/V (kv_handoff)
+        self.keys_only = False   # set while a shared attention half only stores a slice's K/V (shared_attention)
 
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length

@@ -37,7 +37,7 @@ import torch
 
 from .halves import AttentionHalf
 from .shared_half import runs_here
-from .slice_cache import SliceCache
+from ..slices.slice_cache import SliceCache
 
 
 class _KeepKV(torch.autograd.Function):

@@ -27,8 +27,8 @@ from __future__ import annotations
 from deepspeed.pipe import LayerSpec
 from torch import nn
 
-from .halves import AttentionHalf, MLPHalf
-from .layers import (
+from ..stages.halves import AttentionHalf, MLPHalf
+from ..stages.layers import (
     DecoderBlock,
     FinalNorm,
     OffsetPositions,
@@ -36,7 +36,7 @@ from .layers import (
     Projection,
     SliceContext,
 )
-from .specs import embed_and_head_specs
+from ..stages.specs import embed_and_head_specs
 
 PREFIX = ("embed", "proj_in", "pos")
 SUFFIX = ("norm", "proj_out", "head")

@@ -6,8 +6,8 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
-from ..ds_compat import set_layer_bounds, stage_of_rank
-from .adapters import adapter_for
+from ...ds_compat import set_layer_bounds, stage_of_rank
+from ..families.adapters import adapter_for
 from .stage_specs import split_specs
 from .layers import HFPart, SliceContext
 from .split import StageSplit, split_for_config

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec
 
-from .layers import (
+from ..stages.layers import (
     DecoderBlock,
     FinalNorm,
     SliceContext,
 )
-from .specs import embed_and_head_specs
+from ..stages.specs import embed_and_head_specs
 
 PREFIX = ("embed",)
 SUFFIX = ("norm", "head")

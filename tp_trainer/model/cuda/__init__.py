@@ -1,0 +1,1 @@
+"""CUDA paths: the slice attention kernels (flash, cuDNN), captured units (CUDA graphs), compiled blocks, fused RMSNorm."""

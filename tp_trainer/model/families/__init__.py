@@ -1,0 +1,1 @@
+"""Per-family adapters (GPT-2, GPT-Neo, OPT, Llama-style) and the named presets."""
