@@ -16,11 +16,11 @@ of ``--reps`` rounds; the figures are the median over rounds and their min-max.
 
     hf_us_per_block               HF's GPT2Block on the whole sequence, forward + backward, per block
     eager_us_per_block_slice      the default path (``_AppendKV`` + ``_SliceAttention``), per block and slice
-    compiled_us_per_block_slice   ``block_runs(blocks, "inductor")``: both blocks as one ``BlockRun``, one
-                                  region under ``torch.compile(fullgraph=True)`` per slice, the K/V append
-                                  and attention in ``slice_op``'s fused op (graphs compiled before timing)
+    compiled_us_per_block_slice   ``block_runs(blocks, "inductor")`` (compiled_slices/): both blocks as one
+                                  ``BlockRun``, one region under ``torch.compile(fullgraph=True)`` per slice, the
+                                  K/V append and attention in ``slice_op``'s fused op (graphs compiled before timing)
     compiled_per_block_us_per_block_slice   the same with each HF block compiled on its own
-                                  (``DecoderBlock.fuse(torch.compile(block.inner))``): a region per block
+                                  (``fuse(block, torch.compile(block.inner))``): a region per block
     compiled_blocks_us_per_block_slice   the default path with each HF block compiled around its K/V append
                                   and attention (``model.compiled_blocks``, inductor; terapipe.compile_blocks)
     kernels_per_block_slice       {"eager", "compiled_blocks"}: compute ops per block and slice, forward +
@@ -56,8 +56,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from compiled_slices import BlockRun, block_runs, fuse  # noqa: E402
+from compiled_slices.block_run import _run_blocks  # noqa: E402
 from tp_trainer.model.cuda.compiled_blocks import compile_blocks  # noqa: E402
-from tp_trainer.model.stages.layers import BlockRun, DecoderBlock, SliceContext, _run_blocks, block_runs  # noqa: E402
+from tp_trainer.model.stages.layers import DecoderBlock, SliceContext  # noqa: E402
 from tp_trainer.model.slices.slice_cache import SequenceKV  # noqa: E402
 
 WIDTH, LAYERS, HEADS, SEQ, VOCAB = 32, 2, 4, 256, 256
@@ -229,8 +231,7 @@ def measure(args) -> dict:
     run_blocks, run_ctx = pipeline_blocks(model())
     (run,) = block_runs(run_blocks, "inductor")
     per_block, per_block_ctx = pipeline_blocks(model())
-    for block in per_block:
-        block.fuse(torch.compile(block.inner, fullgraph=True))
+    per_block = [fuse(block, torch.compile(block.inner, fullgraph=True)) for block in per_block]
     around, around_ctx = pipeline_blocks(model())
     compile_blocks(around, "inductor")
     S = args.slices

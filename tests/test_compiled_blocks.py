@@ -9,13 +9,16 @@
    against the plain HF model (pipeline_harness.check_float64).
 3. No graph per slice: the graphs dynamo compiles for the first slice serve the later slices
    (other starts, other context lengths) and the second step.
-4. ``compile_blocks`` refuses a block on the fused op (a ``BlockRun`` compiles that one itself).
+4. ``compile_blocks`` refuses a block on the fused op (benchmarks/compiled_slices: a ``BlockRun`` compiles
+   that one itself).
 The engine with terapipe.compile_blocks (with and without captured units) is in test_exactness
 (the ``-compiled`` cases).
 """
 
 import copy
+import os
 import re
+import sys
 
 import pipeline_harness as ph
 import pytest
@@ -27,6 +30,9 @@ from tp_trainer.model.cuda.compiled_blocks import compile_blocks
 from tp_trainer.model.stages.layers import DecoderBlock
 from tp_trainer.model.slices.slice_cache import SequenceKV
 from tp_trainer.model.slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears, restore
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from compiled_slices import fuse  # noqa: E402
 
 SLICES = [8, 8, 8, 8]
 SEQ = sum(SLICES)
@@ -105,7 +111,6 @@ def test_no_graph_per_slice(compiled_run):
 
 def test_compile_blocks_refuses_a_fused_block():
     layers, _ = pipeline_layers(tiny("gpt2"))
-    block = blocks_of(layers)[0]
-    block.fuse()
+    block = fuse(blocks_of(layers)[0])
     with pytest.raises(ValueError, match=r"transformer.h.0: a block on the fused slice op \(BlockRun\)"):
         compile_blocks([block], "aot_eager")

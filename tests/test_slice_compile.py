@@ -1,4 +1,5 @@
-"""The fused slice op (model/slices/slice_op.py) under torch.compile: no graph break, exact against HF.
+"""The fused slice op (benchmarks/compiled_slices: slice_op.py, BlockRun) under torch.compile: no graph
+break, exact against HF.
 
 1. The decoder blocks' slice forward through the fused op traces as one graph, zero breaks
    (``torch._dynamo.explain``); the default path's K/V append (``_AppendKV``'s ``Tensor.set_``) breaks.
@@ -20,16 +21,20 @@ Compiled once per model (module-scoped fixture); the module takes ~25 s on 2 cor
 """
 
 import copy
+import os
+import sys
 
 import pipeline_harness as ph
 import pytest
 import torch
 from test_slice_attention import pipeline_layers, sliced, tiny
 
-from tp_trainer.model.slices import attention
 from tp_trainer.model.slices.attention import SliceSpan
-from tp_trainer.model.stages.layers import BlockRun, _run_blocks, block_runs
 from tp_trainer.model.slices.slice_cache import SequenceKV
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from compiled_slices import BlockRun, block_runs, fused_attention  # noqa: E402
+from compiled_slices.block_run import _run_blocks  # noqa: E402
 
 SLICES = [8, 8, 8, 8]   # uniform: start symbolic, length static (a symbolic length doubles compile time)
 SEQ = sum(SLICES)
@@ -149,7 +154,7 @@ def test_fused_op_refuses_other_masks():
     k = torch.randn(1, 2, 2, 8)
     buffers = tuple(torch.zeros(1, 2, 8, 8) for _ in range(4))
     with pytest.raises(NotImplementedError, match="plain causal"):
-        attention.fused_attention(torch.nn.Module(), q, k, k, SliceSpan(4, 2, window=3), buffers, 0.0, None, {})
+        fused_attention(torch.nn.Module(), q, k, k, SliceSpan(4, 2, window=3), buffers, 0.0, None, {})
 
 
 def test_op_schema_and_fake():
@@ -173,7 +178,7 @@ def test_other_masks_take_the_default_path():
     default path for that block: same output as without fusing, K/V written by ``_AppendKV``."""
     from unittest import mock
 
-    from tp_trainer.model.slices import slice_op
+    from compiled_slices import slice_op
     net = tiny("llama")
     ids = torch.randint(0, 64, (2, 8))
     outputs = []

@@ -28,8 +28,6 @@ attention modules of the pipeline's decoder blocks dispatch to it (``redirect``)
 ``SliceSpan`` it takes this path on CPU without dropout, softcap or position bias; otherwise it
 gives HF's SDPA function the slice's boolean mask over the keys a sliding window can see. Any
 other mask (a whole-sequence HF run through the same modules) goes to HF's SDPA function unchanged.
-Given ``slice_kv`` (the layer's K/V buffers, passed by a fused ``DecoderBlock``), it is the compilable
-path instead: ``fused_attention`` appends and attends in ``slice_op``'s one op.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from ..cuda.attention_cuda import cuda_path, slice_attention_cuda
-from .slice_op import fused_slice_attention
 
 ATTN_NAME = "tp_slice_sdpa"
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -201,9 +198,6 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
     if not isinstance(attention_mask, SliceSpan):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                                       **kwargs)
-    buffers = kwargs.pop("slice_kv", None)
-    if buffers is not None:  # a fused block (layers.DecoderBlock.fuse): key, value are this slice's only
-        return fused_attention(module, query, key, value, attention_mask, buffers, dropout, scaling, kwargs), None
     return _span_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
@@ -220,31 +214,6 @@ def _span_attention(module, query, key, value, span: SliceSpan, dropout, scaling
     first = span.first_key
     return sdpa_attention_forward(module, query, key[:, :, first:], value[:, :, first:], span.mask(query.device),
                                   dropout, scaling, is_causal, **kwargs)
-
-
-def fused_attention(module, query, key, value, span: SliceSpan, buffers, dropout, scaling, kwargs):
-    """``slice_op.fused_slice_attention``: append key, value (b, g, l, d) to ``buffers`` and attend;
-    output (b, l, h, d). Plain causal spans only (no window, no packed examples: ``fusable``); under
-    ``torch.compile`` the mask is built in the graph (one fused kernel) instead of the per-plan memo,
-    whose Python dictionaries would guard the graph on every slice."""
-    if not (fusable(span) and key.shape[2] == span.length and _kernel_fits(query, key, span, dropout, kwargs)):
-        raise NotImplementedError(
-            f"the fused slice op takes plain causal attention on the CPU without dropout, softcap or "
-            f"position bias (slice [{span.start}, {span.start + span.length}), window {span.window}, "
-            f"packed examples: {span.segments is not None}, dropout {dropout}, device {query.device.type})")
-    if span.causal:
-        mask = None
-    elif torch.compiler.is_compiling():
-        mask = _in_dtype(span_mask(span.start, span.length, query.device), query.dtype)
-    else:
-        mask = span.mask(query.device, query.dtype)
-    out = fused_slice_attention(query, key, value, buffers, span.start, 0, mask, scaling)
-    return out.transpose(1, 2).contiguous()
-
-
-def fusable(span: SliceSpan) -> bool:
-    """Whether the fused op handles the slice: plain causal attention over [0, c + l)."""
-    return span.window is None and span.segments is None and not getattr(span.source, "keys_only", False)
 
 
 AttentionInterface.register(ATTN_NAME, slice_attention_forward)

@@ -21,9 +21,7 @@ The returned view gets a fresh autograd version counter (``Tensor.set_`` on the 
 writing the next slice into [c+l, ...) does not invalidate tensors saved for backward: the region
 they read never changes within a training step.
 
-``Tensor.set_`` cannot be traced by ``torch.compile``. The compilable path (``slice_op``, opt-in through
-``layers.BlockRun``) gives the blocks a ``FusedSliceCache`` instead, whose ``update`` hands k, v on
-unchanged: the attention op itself writes them into the buffers.
+``Tensor.set_`` cannot be traced by ``torch.compile``: a compiled block appends eagerly (``SliceCache.update``).
 """
 
 from __future__ import annotations
@@ -87,8 +85,7 @@ class SequenceKV:
 
     ``seq_len`` is the full sequence length L; buffers (token-major in memory on ``TOKEN_MAJOR``
     devices) are allocated per layer on the first write, with the shape (b, heads, L, head_dim) taken
-    from the first slice's keys, or before the slice runs (``allocate``: the fused, compilable path of
-    ``slice_op``).
+    from the first slice's keys (``allocate``).
     Cost: 4 x b x L x hidden elements per layer (K, V and two accumulators).
     """
 
@@ -111,8 +108,7 @@ class SequenceKV:
         return self.layers[layer_idx]
 
     def allocate(self, layer_idx: int, batch: int, heads: int, dim: int, dtype, device) -> tuple[torch.Tensor, ...]:
-        """The layer's buffers (b, heads, L, dim), allocated before a slice runs if absent (the fused
-        op of ``slice_op`` needs them as inputs; a traced region must not create them)."""
+        """The layer's buffers (keys, values, acc_k, acc_v), each (b, heads, L, dim), allocated if absent."""
         if layer_idx not in self.layers:
             if torch.device(device).type in TOKEN_MAJOR:
                 keys = torch.empty((batch, self.seq_len, heads, dim), dtype=dtype, device=device).transpose(1, 2)
@@ -154,15 +150,6 @@ class SliceCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
-
-
-class FusedSliceCache(SliceCache):
-    """The cache of a block whose attention appends K/V itself (``slice_op``): ``update`` returns this
-    slice's k, v (b, heads, l, head_dim) as they are; ``attention.slice_attention_forward`` writes
-    them into the buffers the block passes as ``slice_kv``."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return key_states, value_states
 
 
 def slice_attention_mask(start: int, length: int, device, dtype=torch.bool, window: int | None = None):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from ..slices.embedding_grad import slice_embedding
-from ..slices.attention import ATTN_NAME, SliceSpan, redirect
-from ..slices.slice_cache import FusedSliceCache, SequenceKV, SliceCache, slice_attention_mask
+from ..slices.attention import SliceSpan, redirect
+from ..slices.slice_cache import SequenceKV, SliceCache, slice_attention_mask
 
 
 class SliceContext:
@@ -214,49 +214,18 @@ class DecoderBlock(HFPart):
         self.cache_arg = cache_arg
         # SDPA attention modules dispatch to attention.slice_attention_forward, given a SliceSpan
         self.spans = ctx.attn_implementation != "eager" and redirect(inner)
-        self.fused = None   # fuse(): what runs the HF block with the fused K/V append + attention
         self.compiled = None   # compiled_blocks.compile_blocks: the HF block compiled around its attention
         # model.captured_blocks: what this block's call runs instead (the whole captured run on its
         # first block, a pass-through on the others); None: the block itself (``run_slice``)
         self.replay = None
 
-    def fuse(self, runner=None) -> None:
-        """Run plain causal slices through ``slice_op``'s fused K/V append + attention, the HF block
-        called by ``runner`` (e.g. ``torch.compile(self.inner, fullgraph=True)``; default the block
-        itself). Windows, packed examples and shared halves keep the default path."""
-        if not self.spans:
-            raise ValueError(f"{self.hf_name}: the fused slice op needs SDPA attention modules (got "
-                             f"{self.ctx.attn_implementation!r})")
-        self.kv_layout = attention_layout(self.inner)
-        self.fused = runner if runner is not None else self.inner
-
     def forward(self, hidden):
         return self.run_slice(hidden) if self.replay is None else self.replay(hidden)
 
     def run_slice(self, hidden):
-        """The HF block on the current slice (fused or default path)."""
-        if self.fused is not None and self.takes_fused():
-            out = self.fused(hidden, **self.fused_kwargs(hidden))
-        else:
-            out = (self.inner if self.compiled is None else self.compiled)(hidden, **self.attention_kwargs(hidden))
+        """The HF block (or its compiled form: ``compiled_blocks``) on the current slice."""
+        out = (self.inner if self.compiled is None else self.compiled)(hidden, **self.attention_kwargs(hidden))
         return out[0] if isinstance(out, tuple) else out
-
-    def takes_fused(self) -> bool:
-        """Whether the current slice can take the fused op: plain causal attention (no window, no packed
-        examples, not a shared half's K/V-only pass)."""
-        ctx = self.ctx
-        return self.window is None and ctx.segments is None and not ctx.keys_only
-
-    def fused_kwargs(self, hidden) -> dict:
-        """``attention_kwargs`` for the fused op: a cache that hands k, v on as they are, and the
-        layer's K/V buffers and accumulators (``slice_kv``, allocated here, outside any traced region)."""
-        kwargs = self.attention_kwargs(hidden)
-        ctx = self.ctx
-        kv = ctx.cache.kv
-        kwargs[self.cache_arg] = ctx.per_slice(("fused cache",), lambda: FusedSliceCache(kv, ctx.start))
-        layer_idx, heads, dim = self.kv_layout
-        kwargs["slice_kv"] = kv.allocate(layer_idx, hidden.shape[0], heads, dim, hidden.dtype, hidden.device)
-        return kwargs
 
     def attention_kwargs(self, hidden) -> dict:
         """What the HF block (and its attention module) takes besides ``hidden``: the slice cache,
@@ -269,77 +238,6 @@ class DecoderBlock(HFPart):
         if self.rotary is not None:
             kwargs["position_embeddings"] = ctx.rotary(self.rotary, hidden)
         return kwargs
-
-
-def attention_layout(block: nn.Module) -> tuple[int, int, int]:
-    """(layer_idx, K/V heads, head_dim) of the one redirected attention module in an HF ``block``."""
-    found = [m for m in block.modules() if getattr(getattr(m, "config", None), "_attn_implementation", None)
-             == ATTN_NAME and hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
-    if len(found) != 1:
-        raise ValueError(f"expected one attention module with layer_idx and head_dim, found {len(found)}")
-    module = found[0]
-    heads = getattr(module.config, "num_key_value_heads", None) or module.config.num_attention_heads
-    return module.layer_idx, heads, module.head_dim
-
-
-def _run_blocks(inners, hidden, kwargs_list):
-    """HF blocks in order on one slice: the region ``BlockRun`` compiles."""
-    for inner, kwargs in zip(inners, kwargs_list):
-        out = inner(hidden, **kwargs)
-        hidden = out[0] if isinstance(out, tuple) else out
-    return hidden
-
-
-class BlockRun(nn.Module):
-    """Consecutive ``DecoderBlock``s of a stage as one layer whose slice forward is one compiled region.
-
-    Each compiled call costs the host a guard check, AOTAutograd's forward and backward wrappers and the
-    generated code's argument checks, about 200 us on a 2-core EPYC (benchmarks/host_overhead.py, one
-    region per block against one for both): paid once per slice for the run instead of once per block.
-    The blocks' arguments (``fused_kwargs``: span, cache, K/V buffers, rotary tables) are prepared
-    eagerly and passed in. A slice the fused op
-    does not take (``DecoderBlock.takes_fused``) runs the blocks one by one on the default path.
-    ``backend`` None: the same calls, not compiled.
-
-    Graphs: the slice's start is read from the ``SliceSpan`` as an int. Dynamo compiles it as a constant
-    for the first slice (start 0: the causal kernel, no mask) and, once a second start and length are
-    seen, as symbolic sizes (automatic dynamic): one more graph serves every later slice. Static
-    shapes per (start, length) would compile a graph per slice of the plan and soon reach dynamo's
-    recompile limit (8 per code object)."""
-
-    def __init__(self, blocks, backend: str | None = "inductor"):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        for block in blocks:
-            block.fuse()
-        self.run = torch.compile(_run_blocks, backend=backend, fullgraph=True) if backend else _run_blocks
-
-    def forward(self, hidden):
-        blocks = list(self.blocks)
-        if not all(block.takes_fused() for block in blocks):   # each block: default path (or fused, uncompiled)
-            for block in blocks:
-                hidden = block(hidden)
-            return hidden
-        return self.run(*self.region_args(hidden))
-
-    def region_args(self, hidden) -> tuple:
-        """The compiled region's arguments for ``hidden`` on the current slice (for ``torch._dynamo.explain``)."""
-        return [block.inner for block in self.blocks], hidden, [block.fused_kwargs(hidden) for block in self.blocks]
-
-
-def block_runs(layers, backend: str | None = "inductor") -> list:
-    """``layers`` with each run of consecutive SDPA ``DecoderBlock``s replaced by one ``BlockRun``."""
-    out, run = [], []
-    for layer in [*layers, None]:
-        if isinstance(layer, DecoderBlock) and layer.spans:
-            run.append(layer)
-            continue
-        if run:
-            out.append(BlockRun(run, backend))
-            run = []
-        if layer is not None:
-            out.append(layer)
-    return out
 
 
 class OffsetPositions(HFPart):

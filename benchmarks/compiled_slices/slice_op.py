@@ -23,8 +23,9 @@ not ``save_for_backward``: later slices write into the same buffers (outside [fi
 which the backward reads), and a saved tensor's version check would refuse that. Under
 ``torch.compile`` AOTAutograd functionalizes both mutations, the backward's too (it writes forward inputs).
 
-Buffers are allocated before the traced region runs (``SequenceKV.allocate``, called by the
-``DecoderBlock`` eagerly): a tensor created inside the region and kept in Python state would leave it.
+Buffers are allocated before the traced region runs (``SequenceKV.allocate``, called eagerly by the
+``FusedBlock`` of ``block_run.py``): a tensor created inside the region and kept in Python state would
+leave it.
 Per call the forward costs one copy of the slice's k, v and the kernel; nothing of size l x (c + l)
 is saved (the mask, if any, is passed again to the backward, as ``_SliceAttention`` does).
 """
@@ -36,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .slice_cache import fold_kv_grad
+from tp_trainer.model.slices.slice_cache import fold_kv_grad
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
