@@ -1,4 +1,9 @@
-"""The activation tracker counts what autograd saves, once per storage, and sees it freed."""
+"""The activation tracker counts what autograd saves, once per storage, and sees it freed; a run's
+--memory_report turns it on (default) and off."""
+
+import json
+import os
+import re
 
 import pytest
 import torch
@@ -24,6 +29,35 @@ def test_report_names_the_figures():
     tracker = ActivationTracker()
     line = memory_report("cpu", tracker)
     assert line.startswith("peak rss ") and "peak saved activations 0.0 MiB" in line
+    line = memory_report("cpu", None)
+    assert line.startswith("peak rss ") and "saved activations not tracked (--no-memory_report)" in line
+
+
+@pytest.mark.parametrize("flag", ["--memory_report", "--no-memory_report"])
+def test_run_without_the_tracker_installs_no_hook(tmp_path, flag):
+    """--no-memory_report: a training step runs no code of memory.py (with the tracker on, its
+    saved-tensor hook runs for every saved tensor: the check can fail), the run trains, and its memory
+    report says the activations were not tracked. One rank, one stage (tests/small_run.py's config),
+    its step 3 under ``sys.setprofile`` (tests/fault_hooks: ``step_files``)."""
+    from multirank import train_ranks
+    from small_run import fault_env, small_config
+    config = json.loads(open(small_config(tmp_path)).read())
+    config["pipeline"] = {"stages": 1}
+    (tmp_path / "one.json").write_text(json.dumps(config))
+    files, out = tmp_path / "files", tmp_path / "run"
+    files.mkdir()
+    env = fault_env({"TP_TEST_STEP_FILES": str(files), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}, "step_files:3")
+    log = train_ranks(1, ["--deepspeed_config", str(tmp_path / "one.json"), "--max_steps", "4", "--eval_interval", "4",
+                          "--eval_batches", "1", "--no_save_hf", "--output_dir", str(out), flag], env=env)
+    losses = [float(x) for x in re.findall(r"\[rank 0\] [\d:]+ step \d+ loss ([\d.]+)", log)]
+    assert len(losses) == 4 and losses[-1] < losses[0], log[-3000:]
+    report = re.findall(r"memory \(stage 0\): (.*)", log)
+    ran = (files / "rank0.txt").read_text().split()
+    hooked = any(os.path.basename(f) == "memory.py" and os.sep + "tp_trainer" + os.sep in f for f in ran)
+    if flag == "--memory_report":
+        assert hooked and "peak saved activations" in report[-1], (report, ran)
+    else:
+        assert not hooked and "saved activations not tracked (--no-memory_report)" in report[-1], (report, ran)
 
 
 def test_peak_window_survives_inner_resets():

@@ -50,6 +50,8 @@ def test_special_flags(monkeypatch):
     assert (args.save_hf, args.resume, args.max_steps, args.block_size, args.reset_optimizer) == \
         (False, "latest", 5, 64, True)
     assert train.parse_args(["--resume", "step3"]).resume == "step3"
+    assert train.parse_args(["--no-memory_report"]).memory_report is False   # --memory_report: on (the default)
+    assert train.parse_args(["--no-memory_report", "--memory_report"]).memory_report is True
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert train.parse_args([]).local_rank == 1
     with pytest.raises(SystemExit):

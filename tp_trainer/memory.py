@@ -255,9 +255,10 @@ def current_rss_mb() -> float:
 
 
 def memory_report(device, tracker: ActivationTracker | None = None, budget: dict | None = None) -> str:
-    """One line: peak RSS, device peak (CUDA), peak activations (when tracked); with a memory-aware
-    plan's ``budget`` ({baseline_mb, predicted_mb, limit_mb}: ``initialize.memory_budget``) also the
-    peak above the baseline beside the predicted peak and the limit."""
+    """One line: peak RSS, device peak (CUDA), peak activations (``tracker`` None: that they were not
+    tracked, the run's --no-memory_report); with a memory-aware plan's ``budget`` ({baseline_mb,
+    predicted_mb, limit_mb}: ``initialize.memory_budget``) also the peak above the baseline beside the
+    predicted peak and the limit."""
     parts = [f"peak rss {peak_rss_mb():.0f} MiB"]
     if budget:
         parts.append(f"above the {budget['baseline_mb']:.0f} MiB before the model "
@@ -268,4 +269,6 @@ def memory_report(device, tracker: ActivationTracker | None = None, budget: dict
         parts.append(f"device peak {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB")
     if tracker is not None:
         parts.append(f"peak saved activations {tracker.peak / 2**20:.1f} MiB (outside activation checkpoints)")
+    else:
+        parts.append("saved activations not tracked (--no-memory_report)")
     return ", ".join(parts)

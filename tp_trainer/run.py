@@ -88,7 +88,7 @@ def _start(args: RunArgs, spec: RunSpec, rank: int) -> Job:
         log.info("data: %s", validation.summary())
     model = together("building the model", meta_model, config)
     engine, *_ = initialize(model, checkpoint=spec.checkpoint, seed=args.seed, spec=spec.pipeline,
-                            track_activations=True)
+                            track_activations=args.memory_report)
     together("checking the validation set", check_validation_size, engine, validation, args.eval_batches)
     resume_from = spec.resume_from
     first_step, samples, same = (together("resuming", resume.load, engine, resume_from) if resume_from

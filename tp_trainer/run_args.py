@@ -24,6 +24,14 @@ def _flag(default, help_text: str | None, group: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help_text, "group": group, "argparse": argparse_kwargs})
 
 
+class _OnOff(argparse.BooleanOptionalAction):
+    """``--name`` / ``--no-name``, its help as written (argparse before 3.13 appends the default to it)."""
+
+    def __init__(self, option_strings, dest, help=None, **kwargs):  # noqa: A002 (argparse's keyword)
+        super().__init__(option_strings, dest, help=help, **kwargs)
+        self.help = help
+
+
 @dataclass
 class RunArgs:
     """Options of one training run (the command line of launch/train.py)."""
@@ -78,6 +86,10 @@ class RunArgs:
                                       "global batch)", "training", action="store_true")
     timeline: str | None = _flag(None, "PNG: measured Gantt chart of the last step beside the simulated one",
                                  "training")
+    memory_report: bool = _flag(
+        True, "count the tensors autograd saves for backward (a saved-tensor hook on every one, every step) and "
+        "report their peak with the memory figures at each evaluation (default on); --no-memory_report: no hook, "
+        "the report says they were not tracked", "training", action=_OnOff)
     seed: int = _flag(1234, None, "training")
     output_dir: str = _flag("runs/latest", "where the plan and logs are written", "training")
 
