@@ -75,7 +75,7 @@ def test_fused_norm_in_bf16_is_no_farther_from_float64_than_hf():
 
 def test_the_planner_profiles_the_norms_the_run_runs():
     """``probe_parts(fused_norm=...)``: the probe's RMSNorms fused or not, as the run's
-    (``terapipe.fuses_norms`` picks it: on CUDA by default), so the planner times what the run does."""
+    (``RunChoices.fused_norms`` picks it: on CUDA by default), so the planner times what the run does."""
     from tp_trainer.planner.layer_cost import probe_parts
     config = llama().config
     for fused in (False, True):

@@ -32,25 +32,13 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "cuda_graphs": "on"}, r"terapipe.cuda_graphs: must be true or false, got 'on'"),
     ({"seq_len": 16, "fused_rms_norm": "on"}, r"terapipe.fused_rms_norm: must be true, false or \"auto\", got 'on'"),
     ({"seq_len": 16, "compile_blocks": True}, r"terapipe.compile_blocks: True; use one of \['inductor', 'aot_eager'\]"),
-    ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "compile_blocks": "inductor"},
-     r"terapipe.compile_blocks: the plan under memory_limit_gib may checkpoint"),
-    ({"seq_len": 16, "compile_blocks": "inductor", "lora": {"r": 4}}, r"terapipe.compile_blocks: not with LoRA"),
-    ({"seq_len": 16, "slices": "auto", "memory_limit_gib": 2, "cuda_graphs": True},
-     r"terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint"),
     ({"seq_len": 16, "calibrate": True}, r"terapipe.calibrate: no longer exists \(the start-up calibration .*\); "
                                           r"delete the key"),
 ])
 def test_bad_terapipe_section(section, message):
+    """One key's bad value (the combinations of keys: tests/test_choices.py)."""
     with pytest.raises(ConfigError, match=message):
         TeraPipeConfig.from_section(section)
-
-
-@pytest.mark.parametrize("setting,on_cuda,on_cpu", [("auto", True, False), (True, True, True), (False, False, False)])
-def test_fused_rms_norm_is_on_with_cuda_by_default(setting, on_cuda, on_cpu):
-    """"auto" (the default) fuses the RMSNorms on CUDA only, where it was measured to pay; true / false force it."""
-    assert TeraPipeConfig.from_section({"seq_len": 16}).fused_rms_norm == "auto"
-    config = TeraPipeConfig.from_section({"seq_len": 16, "fused_rms_norm": setting})
-    assert (config.fuses_norms("cuda"), config.fuses_norms("cpu")) == (on_cuda, on_cpu)
 
 
 @pytest.mark.parametrize("family,written,fused_rms_norm,message", [
@@ -75,6 +63,7 @@ def test_cost_model_must_be_measured_as_the_run_computes(tmp_path, family, writt
     from transformers import GPT2Config, LlamaConfig
 
     from tp_trainer.checks import read_cost_model
+    from tp_trainer.choices import RunChoices
     from tp_trainer.planner.cost_model import PipelineCost, StageCost
     model_config = (LlamaConfig(hidden_size=32, num_attention_heads=4) if family == "llama"
                     else GPT2Config(n_embd=32, n_head=4))
@@ -82,39 +71,14 @@ def test_cost_model_must_be_measured_as_the_run_computes(tmp_path, family, writt
     PipelineCost([StageCost([0.0] * 4, [0.0] * 4, hidden=32)], meta={"layers": {}, **written}).save(path)
     terapipe = TeraPipeConfig.from_section({"seq_len": 16, "slices": "auto", "cost_model": path,
                                             "fused_rms_norm": fused_rms_norm})
+    choices = RunChoices.of({}, terapipe, "cpu", model_config=model_config)
     if message is None:
-        assert read_cost_model(terapipe, 1, model_config).meta["layers"] == {}
+        assert read_cost_model(terapipe, 1, model_config, choices).meta["layers"] == {}
     else:
         with pytest.raises(ConfigError, match=re.escape(f"terapipe.cost_model: {path} {message}; delete it to profile")):
-            read_cost_model(terapipe, 1, model_config)
-
-
-@pytest.mark.parametrize("ds_config,message", [
-    ({"zero_optimization": {"stage": 1}}, r"ZeRO stage 1 hooks every parameter's gradient"),
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, r"activation checkpointing recomputes the blocks"),
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, r"the bf16 optimizer with fp32 gradient buffers"),
-])
-def test_cuda_graphs_refuse_what_runs_python_per_backward(ds_config, message):
-    """What would run as Python inside a captured backward (or recompute outside it) is refused before
-    any work, naming the setting; without those settings the config passes."""
-    from tp_trainer.checks import check_cuda_graphs
-    graphs = TeraPipeConfig.from_section({"seq_len": 16, "cuda_graphs": True})
-    with pytest.raises(ConfigError, match=r"terapipe.cuda_graphs: " + message):
-        check_cuda_graphs(graphs, ds_config)
-    check_cuda_graphs(graphs, {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}})
-    check_cuda_graphs(TeraPipeConfig.from_section({"seq_len": 16}), ds_config)   # off: nothing to refuse
+            read_cost_model(terapipe, 1, model_config, choices)
 
 
 def test_plan_rejects_bad_sum():
     with pytest.raises(PlanError, match="terapipe.slices"):
         SlicePlan(8, (4, 3))
-
-
-def test_compiled_blocks_refuse_activation_checkpointing():
-    """Compiled blocks under DeepSpeed's activation checkpointing are refused before any work."""
-    from tp_trainer.checks import check_compile_blocks
-    compiled = TeraPipeConfig.from_section({"seq_len": 16, "compile_blocks": "inductor"})
-    with pytest.raises(ConfigError, match=r"terapipe.compile_blocks: not with activation checkpointing"):
-        check_compile_blocks(compiled, {"pipeline": {"activation_checkpoint_interval": 1}})
-    check_compile_blocks(compiled, {"pipeline": {"activation_checkpoint_interval": 0}})
-    check_compile_blocks(TeraPipeConfig.from_section({"seq_len": 16}), {"pipeline": {"activation_checkpoint_interval": 1}})

@@ -1,6 +1,10 @@
 """Every check of a run's input, in one place, before any process group: ``validate`` returns a
 ``RunSpec`` that the run hands on (the pipeline part, ``PipelineSpec``, goes to ``initialize``).
 
+The refused combinations of settings (precision, ZeRO, captured or compiled blocks, checkpointing,
+LoRA, packing, ...) are one table, ``choices.RULES``, checked by ``check_pipeline`` as it makes the
+run's ``RunChoices``.
+
 Why one place: each check then runs once, the cost model is read once, and what a later phase
 receives is already known to be valid. Checks that need data only a started run has (the
 tokenizer's vocabulary against a checkpoint, the validation set against ``--eval_batches``) are
@@ -12,8 +16,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from .config import (ConfigError, TeraPipeConfig, check_zero_stage, compute_dtype_name, load_ds_config,
-                     pipeline_stages)
+from .choices import RunChoices, RunInputs, this_machine
+from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
 from .data import DataArgs, check_tokenizer_source
 from .model.families.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
 
@@ -21,11 +25,13 @@ from .model.families.adapters import adapter_for, apply_rope_scaling, check_posi
 @dataclass(frozen=True)
 class PipelineSpec:
     """What ``initialize`` needs, checked: the DeepSpeed config, its terapipe section, the number of
-    stages and, with ``"slices": "auto"`` and a cost-model file, that cost model (read once)."""
+    stages, what the run computes (``choices.RunChoices``) and, with ``"slices": "auto"`` and a
+    cost-model file, that cost model (read once)."""
 
     ds_config: dict
     terapipe: TeraPipeConfig
     stages: int
+    choices: RunChoices
     cost: object | None = None
 
 
@@ -67,12 +73,9 @@ def validate(args, world_size: int) -> RunSpec:
     check_tokenizer_source(*tokenizer_source)
     checked = checkpoint_config if checkpoint_config is not None else preset(args.config_name, vocab_size=1)
     apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
-    pipeline = check_pipeline(ds_config, checked, world_size)  # the vocabulary does not matter here
-    check_lora(pipeline.terapipe, checked, args)
-    if pipeline.terapipe.cuda_graphs and args.packing == "examples":
-        raise ConfigError("--packing examples: several examples per row change the attention of every "
-                          "microbatch, which terapipe.cuda_graphs cannot capture; use --packing none or "
-                          "set terapipe.cuda_graphs false")
+    # the vocabulary does not matter here
+    pipeline = check_pipeline(ds_config, checked, world_size, packing=args.packing, merge_lora=args.merge_lora)
+    check_lora(pipeline.terapipe, checked)
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
     if args.resume:
         from .resume_checks import check_resume
@@ -96,12 +99,10 @@ def merge_lora_flags(section: dict, args) -> None:
     merge_flags(section, args)
 
 
-def check_lora(terapipe: TeraPipeConfig, config, args) -> None:
+def check_lora(terapipe: TeraPipeConfig, config) -> None:
     """LoRA's targets against the model (one ``error:`` line listing its modules), before any work;
     the checked settings (with an adapter's own r / targets) replace the section's."""
     from .lora import check
-    if args.merge_lora and terapipe.lora is None:
-        raise ConfigError("--merge_lora: there is no LoRA to merge; add --lora_r (or terapipe.lora)")
     terapipe.lora = check(terapipe.lora, config)
 
 
@@ -154,8 +155,11 @@ def model_depth(config) -> int:
     return getattr(config, "num_hidden_layers", None) or config.n_layer
 
 
-def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSpec:
-    """The checks of a pipeline of ``model_config`` under ``ds_config`` on ``world_size`` ranks."""
+def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str = "none",
+                   merge_lora: bool = False) -> PipelineSpec:
+    """The checks of a pipeline of ``model_config`` under ``ds_config`` on ``world_size`` ranks, and
+    what it computes (``RunChoices``, the refused combinations ``choices.RULES`` checked there);
+    ``packing``, ``merge_lora``: the run's flags (a library caller's run: none)."""
     check_zero_stage(ds_config)
     try:
         adapter_for(model_config)
@@ -165,65 +169,25 @@ def check_pipeline(ds_config: dict, model_config, world_size: int) -> PipelineSp
     warning = check_positions(terapipe.seq_len, model_config)  # learned positions: raises when too short
     if warning and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("tp_trainer").warning("%s", warning)
-    check_precision(ds_config)
-    check_cuda_graphs(terapipe, ds_config)
-    check_compile_blocks(terapipe, ds_config)
+    device_type, supported = this_machine()
+    choices = RunChoices.decide(RunInputs(terapipe, ds_config, device_type, supported, model_config, packing,
+                                          merge_lora))
     stages = pipeline_stages(ds_config, world_size)
     depth = model_depth(model_config)
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
-    cost = read_cost_model(terapipe, stages, model_config, compute_dtype_name(ds_config))
-    return PipelineSpec(ds_config, terapipe, stages, cost)
+    cost = read_cost_model(terapipe, stages, model_config, choices)
+    return PipelineSpec(ds_config, terapipe, stages, choices, cost)
 
 
-def checkpoints_activations(ds_config: dict) -> bool:
-    """Whether the DeepSpeed config asks for activation checkpointing (pipeline.activation_checkpoint_interval)."""
-    return int(ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0)) > 0
-
-
-def check_cuda_graphs(terapipe: TeraPipeConfig, ds_config: dict) -> None:
-    """``terapipe.cuda_graphs`` only with what captured blocks can run (``captured_blocks.refusal``)."""
-    if not terapipe.cuda_graphs:
-        return
-    from .model.cuda.captured_blocks import refusal
-    bf16 = any(ds_config.get(key, {}).get("enabled", False) for key in ("bf16", "bfloat16"))
-    accumulation = str(ds_config.get("data_types", {}).get("grad_accum_dtype", "bf16")).lower()
-    why = refusal(zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
-                  checkpointing=checkpoints_activations(ds_config),
-                  hooked_params=bf16 and accumulation in ("fp32", "float32", "float"))
-    if why:
-        raise ConfigError(f"terapipe.cuda_graphs: {why}")
-
-
-def check_compile_blocks(terapipe: TeraPipeConfig, ds_config: dict) -> None:
-    """``terapipe.compile_blocks`` only without activation checkpointing (untested under it)."""
-    if terapipe.compile_blocks and checkpoints_activations(ds_config):
-        raise ConfigError("terapipe.compile_blocks: not with activation checkpointing (pipeline."
-                          "activation_checkpoint_interval); set it to 0 or compile_blocks to null")
-
-
-def check_precision(ds_config: dict) -> None:
-    """fp16 / bf16 only where this machine's accelerator computes in them."""
-    from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    for key, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
-        if ds_config.get(key, {}).get("enabled", False) and not supported():
-            other = "bf16" if key == "fp16" else "fp32 (no precision section)"
-            raise ConfigError(f"{key}.enabled: the {accelerator.device_name()} accelerator of this machine does "
-                              f"not support {key} (DeepSpeed: \"Type {key} is not supported on your device\"); "
-                              f"use {other} here, or run this config on a GPU")
-
-
-def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: str = "fp32"):
+def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices: RunChoices):
     """With "auto", a cost-model file that exists is read here, once, and must describe this model's
-    stages measured as this run computes (device, dtype, fused norms, captured blocks:
+    stages measured as this run computes (``choices``: device, dtype, fused norms, captured blocks:
     ``planner.auto.measured_settings``);
     returns it (None: none given, or not written yet: the run profiles)."""
     if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
         return None
-    from deepspeed.accelerator import get_accelerator
-
     from .planner.auto import measured_settings
     from .planner.cost_model import PipelineCost
     try:
@@ -237,8 +201,8 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, dtype: 
         raise ConfigError(f"terapipe.cost_model: {terapipe.cost_model} was measured for {measured[0]} stages of "
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
-    device = get_accelerator().device_name()
-    run = measured_settings(device, dtype, terapipe.fuses_norms(device), model_config, terapipe.cuda_graphs)
+    run = measured_settings(choices.device_type, choices.precision, choices.fused_norms, model_config,
+                            choices.cuda_graphs)
     written = {key: cost.meta.get(key, UNRECORDED_SETTINGS[key]) for key in run}
     differ = [key for key in run if written[key] != run[key]]
     if differ:

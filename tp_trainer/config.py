@@ -5,7 +5,9 @@ Example (inside the DeepSpeed config):
     "pipeline": {"stages": 2},
     "terapipe": {"seq_len": 256, "slices": "uniform:4", "schedule": "gpipe"}
 
-Every error is a ``ConfigError`` naming the field, the value and the fix.
+Each key's own value (type, range) is checked here; the combinations of keys (with each other, the
+rest of the DeepSpeed config, the machine and the run's flags) in ``choices.RULES``. Every error is a
+``ConfigError`` naming the field, the value and the fix.
 """
 
 from __future__ import annotations
@@ -161,17 +163,9 @@ class TeraPipeConfig:
             raise ConfigError(f"terapipe.fused_rms_norm: must be true, false or \"auto\", got {self.fused_rms_norm!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"terapipe.cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
-        if self.cuda_graphs and self.memory_limit_gib is not None:
-            raise ConfigError("terapipe.cuda_graphs: the plan under memory_limit_gib may checkpoint activations, "
-                              "which captured blocks cannot; drop memory_limit_gib or set cuda_graphs false")
         if self.compile_blocks not in COMPILE_BACKENDS:
             raise ConfigError(f"terapipe.compile_blocks: {self.compile_blocks!r}; use one of "
                               f"{[b for b in COMPILE_BACKENDS if b]} or null (off)")
-        if self.compile_blocks and self.memory_limit_gib is not None:
-            raise ConfigError("terapipe.compile_blocks: the plan under memory_limit_gib may checkpoint activations, "
-                              "which compiled blocks do not run under; drop memory_limit_gib or compile_blocks")
-        if self.compile_blocks and self.lora is not None:
-            raise ConfigError("terapipe.compile_blocks: not with LoRA adapters (untested); drop one of them")
         if not isinstance(self.defer_weight_grads, bool):
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
@@ -182,8 +176,6 @@ class TeraPipeConfig:
         if self.microbatches not in (None, "auto"):
             raise ConfigError(f"terapipe.microbatches: {self.microbatches!r}; use \"auto\" or leave it out "
                               f"(DeepSpeed's gradient_accumulation_steps then decides)")
-        if self.microbatches == "auto" and self.slices != "auto":
-            raise ConfigError("terapipe.microbatches: \"auto\" needs \"slices\": \"auto\" (one plan decides both)")
         if not isinstance(self.granularity, int) or not 1 <= self.granularity <= self.seq_len:
             raise ConfigError(f"terapipe.granularity: must be an integer in 1..{self.seq_len}, got {self.granularity!r}")
         if self.slices == "auto":
@@ -201,17 +193,10 @@ class TeraPipeConfig:
             return
         if limit != "auto" and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
             raise ConfigError(f"terapipe.memory_limit_gib: must be a positive number of GiB or \"auto\", got {limit!r}")
-        if self.slices != "auto":
-            raise ConfigError(f"terapipe.memory_limit_gib: {limit!r} needs \"slices\": \"auto\" (the planner chooses "
-                              f"slices, order and checkpointing under the limit), got slices {self.slices!r}")
 
     @property
     def auto(self) -> bool:
         return self.slices == "auto"
-
-    def fuses_norms(self, device_type: str) -> bool:
-        """Whether this run's RMSNorms take the fused kernels on a ``device_type`` ("cuda", "cpu", ...)."""
-        return fuses_norms(self.fused_rms_norm, device_type)
 
     @classmethod
     def from_section(cls, section: dict | None) -> "TeraPipeConfig":
@@ -267,16 +252,3 @@ def check_zero_stage(ds_config: dict) -> None:
         raise ConfigError(f"zero_optimization.stage: {stage} cannot be combined with pipeline parallelism "
                           f"(DeepSpeed partitions gradients across the pipeline's micro-steps only for "
                           f"stage <= 1); use \"stage\": 1 (optimizer-state partitioning)")
-
-
-def fuses_norms(setting, device_type: str) -> bool:
-    """``terapipe.fused_rms_norm``'s rule: true / false force it, "auto" fuses on CUDA only."""
-    return setting is True or (setting == "auto" and device_type == "cuda")
-
-
-def compute_dtype_name(ds_config: dict) -> str:
-    """The dtype the model computes in under ``ds_config``: "bf16", "fp16" or "fp32"."""
-    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
-        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
-            return name
-    return "fp32"

@@ -37,11 +37,12 @@ from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
+from .choices import RunChoices
 from .model.cuda.captured_blocks import capture_blocks
 from .model.slices.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
 from .model.slices.segments import MicrobatchLayouts
 from .model.slices.slice_cache import SequenceKV
-from .model.slices.weight_grad import defer_stage_weight_grads, weight_grads_in_b
+from .model.slices.weight_grad import defer_stage_weight_grads
 from .memory import ActivationTracker, used_above_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -49,6 +50,9 @@ from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, Re
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
 from .schedule.calls import Program
+
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.half}   # RunChoices.precision -> activations' dtype
 
 
 class PipelineFailure(RuntimeError):
@@ -61,17 +65,19 @@ class TeraPipeEngine(PipelineEngine):
     ``run_plan``: what ``initialize`` decided (slices and microbatching, order, the planner's report,
     the memory budget), held as ``self.run_plan`` from construction on. The schedule is a pure
     function of it and of this stage, built once (``self._train_program``); ``train_batch`` runs it.
+    ``choices``: what every step computes (precision, ZeRO, W deferred or not, captured blocks:
+    ``choices.RunChoices``, made by the start-up checks), held as ``self.choices``.
     """
 
-    def __init__(self, *args, run_plan: RunPlan, hidden_size: int, defer_weight_grads: bool = False,
-                 track_activations: bool = False, cuda_graphs: bool = False, **kwargs):
+    def __init__(self, *args, run_plan: RunPlan, hidden_size: int, choices: RunChoices,
+                 track_activations: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         plan = run_plan.slices
         if plan.microbatches != self.micro_batches or plan.microbatch_size != self.micro_batch_size:
             raise ValueError(f"plan {plan} disagrees with the DeepSpeed config: gradient_accumulation_steps="
                              f"{self.micro_batches}, train_micro_batch_size_per_gpu={self.micro_batch_size}")
         ds_compat.unsynchronized_throughput_timer(self)   # no device synchronization per slice
-        self.run_plan = run_plan
+        self.run_plan, self.choices = run_plan, choices
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
         # saved-tensor hooks measuring activations (memory.py), for the run's memory report
@@ -81,16 +87,14 @@ class TeraPipeEngine(PipelineEngine):
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         self.master_grads = ds_compat.fold_as_made(self)  # bf16: gradients into the optimizer's buffers as made
+        if ds_compat.uses_bf16_optimizer(self) != choices.bf16_optimizer:   # choices.py copies DeepSpeed's rule
+            raise ValueError(f"RunChoices.bf16_optimizer {choices.bf16_optimizer}, DeepSpeed: {type(self.optimizer)}")
         # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
-        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=defer_weight_grads)
-                         if cuda_graphs else None)
+        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=choices.defer_weight_grads)
+                         if choices.cuda_graphs else None)
         if self.captured is not None and self.master_grads is not None:
             self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
-        model_dtype, accumulation_dtype = self.get_data_types()
-        self.weight_grads_in_b = weight_grads_in_b(
-            defer_weight_grads, self.zero_optimization_stage(), self.zero_overlap_comm(),
-            separate_accumulation=accumulation_dtype != model_dtype and self.master_grads is None,
-            captured=self.captured is not None)
+        self.weight_grads_in_b = choices.stage_weight_grads_in_b(captured=self.captured is not None)
         # None: this stage's backward split into B and W, the schedule carrying a W for every unit
         self.weight_grads = (defer_stage_weight_grads(self.module.forward_funcs, self.master_grads)
                              if self.weight_grads_in_b is None else None)
@@ -224,11 +228,8 @@ class TeraPipeEngine(PipelineEngine):
     def _compute_dtype(self) -> torch.dtype:
         """dtype of the activations and gradients between stages: bf16 / fp16 when enabled, else
         the parameters' own (fp32, or float64 for the exactness tests' end-to-end float64 runs)."""
-        if self.bfloat16_enabled():
-            return torch.bfloat16
-        if self.fp16_enabled():
-            return torch.half
-        return next(self.module.parameters()).dtype
+        half = HALF_DTYPES.get(self.choices.precision)
+        return half if half is not None else next(self.module.parameters()).dtype
 
     # ----------------------------------------------------------------------------- clipping
     def clip_fp32_gradients(self):
@@ -363,10 +364,10 @@ class TeraPipeEngine(PipelineEngine):
             raise RuntimeError(f"{cmd}: weight gradients still deferred; a B has no W before this")
         if self.master_grads is not None:   # the step's first reduction: held .grads into the buffers
             self.master_grads.fold_held()
-        ds_compat.reduce_tied_grads(self.module, self.using_bf16_optimizer)
+        ds_compat.reduce_tied_grads(self.module, self.choices.bf16_optimizer)
 
     def _exec_reduce(self, cmd: ReduceGrads):
-        only_sums = ds_compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() == 0
+        only_sums = self.choices.bf16_optimizer or self.choices.zero_stage == 0
         if self.dp_world_size == 1 and only_sums:
             # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms); ZeRO-1's
             # own optimizer is not skipped: its reduction moves .grad into its partitions

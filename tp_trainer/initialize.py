@@ -19,7 +19,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from .checkpoint import materialize_stage
 from .checks import PipelineSpec, check_pipeline
-from .config import compute_dtype_name, load_ds_config
+from .config import load_ds_config
 from .cpu_binding import bind_cores, local_ranks
 from .engine import TeraPipeEngine
 from .failures import together
@@ -74,13 +74,14 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     block may be cut into its attention and MLP halves where the family allows it, ``model.halves``).
     Default: with ``"slices": "auto"`` the measured split, else the per-token estimate's.
     ``track_activations``: the engine measures its activations (``memory.ActivationTracker``).
-    The engine holds what was decided as one value, ``engine.run_plan`` (``plan.RunPlan``).
+    The engine holds what was decided as two values: what every step computes, ``engine.choices``
+    (``choices.RunChoices``, made by the checks), and the plan, ``engine.run_plan`` (``plan.RunPlan``).
     Collective. A rank that cannot load its stage's weights stops every rank (``failures.RunStopped``).
     Returns (engine, optimizer, training_dataloader, lr_scheduler) like ``deepspeed.initialize``.
     """
     if spec is None:
         spec = check_pipeline(load_ds_config(config), model.config, launch_world_size())
-    terapipe, stages = spec.terapipe, spec.stages
+    terapipe, stages, choices = spec.terapipe, spec.stages, spec.choices
     bind_rank_cores(terapipe)
     init_process_group(dist_init_required)
     local_rank, _ = local_ranks()
@@ -94,10 +95,10 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     module = build_pipeline_module(model, stages, split=split)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     # before compile_blocks: the compiled blocks trace the fused forward
-    if terapipe.fuses_norms(torch.device(device).type):
+    if choices.fused_norms:
         fuse_rms_norms([module])
-    if terapipe.compile_blocks:   # compiled lazily, at each block's first slice
-        compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], terapipe.compile_blocks)
+    if choices.compile_blocks:   # compiled lazily, at each block's first slice
+        compile_blocks([f for f in module.forward_funcs if isinstance(f, DecoderBlock)], choices.compile_blocks)
     if layout is not None and layout.ckpt is not None:  # the planner's choice, per stage
         module.activation_checkpoint_interval = int(layout.ckpt[stage_of_rank(module)])
     # bf16: DeepSpeed's immediate_grad_update, so no backward passes over all parameters (ds_compat/grad_fold.py)
@@ -113,8 +114,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=module.mpu(),
                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
                             config_class=config_class, run_plan=run_plan, hidden_size=model.config.hidden_size,
-                            defer_weight_grads=terapipe.defer_weight_grads, track_activations=track_activations,
-                            cuda_graphs=terapipe.cuda_graphs)
+                            choices=choices, track_activations=track_activations)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -185,7 +185,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     return plan(config, terapipe.seq_len, micro * accumulation, stages, analytic, fixed_micro, terapipe.granularity,
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
-                terapipe.share_halves, lora=terapipe.lora, dtype=compute_dtype_name(spec.ds_config),
-                fused_norm=terapipe.fuses_norms(torch.device(device).type), captured=terapipe.cuda_graphs)
+                terapipe.share_halves, lora=terapipe.lora, dtype=spec.choices.precision,
+                fused_norm=spec.choices.fused_norms, captured=spec.choices.cuda_graphs)
 
 

@@ -130,9 +130,8 @@ def deepspeed_resumes(layout: dict) -> bool:
 
 
 def current_layout(engine) -> dict:
-    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
     return {"stages": engine.num_stages, "replicas": engine.dp_world_size,
-            "zero_stage": engine.zero_optimization_stage(), "precision": precision}
+            "zero_stage": engine.choices.zero_stage, "precision": engine.choices.precision}
 
 
 def model_record(config) -> dict:

@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass
 
 from .checkpoint import layout_free
-from .config import ConfigError, compute_dtype_name, pipeline_stages
+from .choices import compute_dtype_name
+from .config import ConfigError, pipeline_stages
 from .resume import MANIFEST, deepspeed_resumes, model_record, resolve_resume
 
 RESET_OPTIMIZER = "--reset_optimizer"

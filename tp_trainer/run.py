@@ -67,7 +67,7 @@ def _train(args: RunArgs, spec: RunSpec, rank: int) -> list[float]:
     except RunStopped as stop:  # every rank is here, with the same code; one of them reports
         stop_together(stop)
     if rank == 0:
-        _write_plan(job.engine, args.output_dir)
+        _write_plan(job.engine, args.output_dir, spec.pipeline.choices)
     if job.first_step == 0:
         evaluate(job.engine, job.validation, args, step=0, rank=rank)
     losses = _loop(job, args, rank)
@@ -125,7 +125,9 @@ def _nothing(*_args):
     return None
 
 
-def _write_plan(engine, output_dir: str) -> None:
+def _write_plan(engine, output_dir: str, choices=None) -> None:
+    """plan.json (and the planner's report), and the ``plan:`` line: the slices, what a step computes
+    (``choices``, the run's ``RunChoices``: precision, ZeRO, what is on), the order and how W runs."""
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "plan.json"), "w", encoding="utf-8") as handle:
         handle.write(engine.plan.to_json())
@@ -138,7 +140,8 @@ def _write_plan(engine, output_dir: str) -> None:
             log.warning("terapipe.cuda_graphs: these slices were planned from the units timed eagerly, host time "
                         "included, which the captured units do not pay; on a GPU give terapipe.slices explicitly "
                         "(scripts/gpu_check.sh reports the plan for captured units)")
-    log.info("plan: %s, schedule %s, %d stages, weight gradients: %s", engine.plan, engine.schedule_name,
+    computes = f", {choices.summary}" if choices is not None else ""
+    log.info("plan: %s%s, schedule %s, %d stages, weight gradients: %s", engine.plan, computes, engine.schedule_name,
              engine.num_stages, engine.weight_grads_mode)
 
 
@@ -153,7 +156,7 @@ def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:
         loss = _step(job, args, step)
         seconds = time.perf_counter() - started
         job.samples += per_step
-        check_finite(loss, step, engine.fp16_enabled())
+        check_finite(loss, step, engine.choices.precision == "fp16")
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
         if rank == 0:

@@ -129,7 +129,7 @@ def parse_args(argv=None):
 def plan_layers(args, config, cost) -> None:
     """Plan from per-layer costs (profiled here with --layers, or a cost model's meta["layers"]) and
     print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
-    from ..config import fuses_norms
+    from ..choices import fuses_norms
     from ..model.families.adapters import adapter_for
     from ..model.stages.split import split_for_config
     from .auto import _plan, measured_settings

@@ -25,7 +25,7 @@ backward of its first slice (the last to run: ``DeferredWeightGrads.flush_merged
 slices of the Llama pair took 51.1 against 55.7 ms with them in B, GPT-2 medium 9.7 against 11.6 ms,
 benchmarks/results/gpu/h100); without it they are made in B. Either way inside the graphs: no W
 instruction. Nothing per backward may run as Python inside a graph (it would run at capture only),
-so the engine refuses what hooks each parameter (``refusal``). Without
+so the start-up checks refuse what hooks each parameter (``choices.RULES``). Without
 CUDA the same object runs every unit eagerly in the same order: the mechanics
 above (order, K/V ownership, the kept gradients) are what the CPU tests check. A forward without
 gradients (evaluation) runs the blocks eagerly.
@@ -39,21 +39,6 @@ from torch import nn
 from .capture import UnitGraphs, layer_callbacks
 from ..stages.layers import DecoderBlock
 from ..slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears
-
-
-def refusal(*, zero_stage: int, checkpointing: bool, hooked_params: bool) -> str | None:
-    """Why ``terapipe.cuda_graphs`` cannot run with these settings (None: it can)."""
-    if zero_stage:
-        return (f"ZeRO stage {zero_stage} hooks every parameter's gradient in Python, which a graph would run "
-                f"only while it is captured; set zero_optimization.stage 0 or terapipe.cuda_graphs false")
-    if checkpointing:
-        return ("activation checkpointing recomputes the blocks outside the captured backward; set "
-                "pipeline.activation_checkpoint_interval 0 (and no terapipe.memory_limit_gib) or "
-                "terapipe.cuda_graphs false")
-    if hooked_params:
-        return ("the bf16 optimizer with fp32 gradient buffers (data_types.grad_accum_dtype fp32) folds every "
-                "gradient in a Python hook; leave grad_accum_dtype at bf16 or set terapipe.cuda_graphs false")
-    return None
 
 
 class CapturedBlocks:
