@@ -7,8 +7,7 @@ the two stages' threads between the cores while both compute at once. DeepSpeed'
 the CPUs this process may use are divided among the ranks on this machine, each rank is pinned to
 its contiguous share, and torch runs that many threads (unless ``OMP_NUM_THREADS`` says otherwise).
 
-Measured on 2 cores (benchmarks/RESULTS.md, "Measured features"): the README's main job
-(2 ranks) took 1.24 s a step with the launcher's defaults and 0.52 s with each rank on its core.
+Measured on 2 cores with the README's main job: benchmarks/RESULTS.md, "Measured features".
 
 Left alone: GPU runs, a rank the launcher already bound (its allowed CPUs are fewer than the
 machine's: ``--bind_cores_to_rank``, numactl, taskset), fewer CPUs than local ranks, a machine with one rank.

@@ -3,8 +3,8 @@
 DeepSpeed's ``pipe.p2p`` sends and receives synchronously: a send returns only once the peer has
 posted the matching receive, and a receive starts moving data only when it is called. With token
 slices that costs twice per slice: the sender stalls until the receiver finishes what it is
-computing, and the receiver pays the transfer after it has become idle (measured here: 2-5 ms per
-gradient slice on the first stage's critical path, and up to 20 ms of stalled sends per slice).
+computing, and the receiver pays the transfer after it has become idle, once per slice on the
+first stage's critical path.
 
 ``Transfers`` makes both sides asynchronous:
 - a send is an ``isend``; the sender moves on at once and keeps the tensor alive until the send

@@ -1,8 +1,8 @@
 """Decoder blocks compiled around their attention: fewer, fused kernels per slice inside CUDA graphs.
 
 Captured (``capture.UnitGraphs``), a slice costs the GPU its kernels and no host time, and the
-kernels of a short slice are short: GPT-2 medium's 8 slices of 256 tokens launched 2,904 kernels
-(eager) on the H100, most of them elementwise (bias adds, GELU's seven ops, residual adds, norms).
+kernels of a short slice are short: most of an eager block's kernels are elementwise (bias adds,
+GELU's seven ops, residual adds, norms).
 ``torch.compile`` of each HF block fuses those; what cannot be in a compiled graph runs eagerly
 between the graphs (``torch.compiler.disable``, a graph break), which the capture records like any
 other kernel:
@@ -20,10 +20,9 @@ for all the blocks of a stage: the layer index HF passes to the cache is read as
 (``allow_unspec_int_on_nn_module``), not a constant per layer. Both settings are dynamo's, global to
 the process.
 
-Compute ops per block and slice (ATen ops that launch work plus inductor's fused kernels, forward +
-backward; benchmarks/host_overhead.py's GPT-2, width 32): 58.5 eager, 40.2 compiled around the
-attention. Not for eager runs: the graph breaks add host time per slice (the same benchmark: 1218
-against 809 us per block and slice). A fused, fully compilable CPU path (the K/V append and the
+Fewer compute ops per block and slice (ATen ops that launch work plus inductor's fused kernels,
+counted by benchmarks/host_overhead.py). Not for eager runs: the graph breaks add host time per
+slice. Figures: benchmarks/RESULTS.md. A fused, fully compilable CPU path (the K/V append and the
 attention as one op, a stage's blocks as one compiled region) is benchmarks/compiled_slices, an
 experiment outside the package.
 """

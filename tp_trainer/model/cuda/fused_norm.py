@@ -8,10 +8,8 @@ function in one pass forward and a fused backward: float32 statistics, the weigh
 one rounding to the input dtype (HF rounds once more in between, so in bf16 the fused result is the
 closer to float64).
 
-On CUDA by default (``terapipe.fused_rms_norm``: "auto"). Measured by ``benchmarks/gpu_check.py``'s
-slice step ("fused norm"): on an H200 the Llama 7B-width pair at 8192 tokens, captured, ran 8-11%
-faster at 1 and 8 slices and 12-13% at 32, and its whole 1-stage engine step 6-8% faster
-(benchmarks/RESULTS.md): about as much at 1 slice as at 8, the gain is in bytes, not launches. On a
+On CUDA by default (``terapipe.fused_rms_norm``: "auto"), measured by ``benchmarks/gpu_check.py``'s
+slice step ("fused norm"; figures: benchmarks/RESULTS.md): the gain is in bytes, not launches. On a
 CPU torch runs the op as a composite of ATen ops (what the tests check): nothing is gained there, so
 "auto" leaves HF's norm. float64 keeps HF's forward, which takes its statistics in float32 even then
 (the exactness tests' float64 runs match HF to 1e-12).
