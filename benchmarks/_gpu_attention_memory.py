@@ -11,16 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tp_trainer.model.cuda.attention_cuda import use_kernel
-
-
-def _flash_call(module, query, keys, values, span):
-    from tp_trainer.model.slices.attention import slice_attention_forward
-    use_kernel("flash")
-    try:
-        return slice_attention_forward(module, query, keys, values, span)
-    finally:
-        use_kernel("auto")
+from tp_trainer.model.cuda.attention_cuda import AttentionChoice
 
 
 def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dtype) -> dict:
@@ -30,6 +21,8 @@ def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dty
     if device.type != "cuda":
         return {}
     from tp_trainer.model.slices.attention import SliceSpan, sdpa_attention_forward, slice_attention_forward
+    from tp_trainer.model.stages.layers import SliceContext
+    flash = SliceContext("sdpa", AttentionChoice("flash"))   # its spans attend through flash
     module = model.transformer.h[0].attn if family == "gpt2" else model.model.layers[0].self_attn
     d, l = hidden // heads, seq_len // 8
     out = {"slice_tokens": l, "contexts": [], "slice_path": [], "slice_path_flash": [], "mask_path": []}
@@ -37,9 +30,10 @@ def attention_bytes(model, family, hidden, heads, kv_heads, seq_len, device, dty
         keys = torch.randn(1, kv_heads, c + l, d, device=device, dtype=dtype, requires_grad=True)
         values = torch.randn_like(keys, requires_grad=True)
         query = torch.randn(1, heads, l, d, device=device, dtype=dtype, requires_grad=True)
-        span = SliceSpan(c, l)
+        span, flash_span = SliceSpan(c, l), SliceSpan(c, l, source=flash)
         for name, call in (("slice_path", lambda: slice_attention_forward(module, query, keys, values, span)),
-                           ("slice_path_flash", lambda: _flash_call(module, query, keys, values, span)),
+                           ("slice_path_flash", lambda: slice_attention_forward(module, query, keys, values,
+                                                                                flash_span)),
                            ("mask_path", lambda: sdpa_attention_forward(
                                module, query, keys, values, span.mask(device), 0.0, None, None))):
             torch.cuda.synchronize()

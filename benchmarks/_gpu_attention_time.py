@@ -2,8 +2,8 @@
 time, kernel by kernel, without the rest of the layer.
 
 One layer's attention of a block set's sequence cut into S uniform slices (S in ``COUNTS``): every
-slice's forward, then every slice's backward, each through ``attention_cudnn.CudnnFrontend`` in each
-spelling of the slice's mask (``attention_cudnn.SPELLINGS``), against PyTorch's cuDNN kernel on the
+slice's forward, then every slice's backward, each through ``_cudnn_spellings.SpelledFrontend`` in each
+spelling of the slice's mask (``_cudnn_spellings.SPELLINGS``), against PyTorch's cuDNN kernel on the
 whole sequence (causal top-left: what the whole sequence and "auto"'s first slice run). On the H200 the
 bottom-right backward of 8 slices of the Llama pair took 6.20 ms against 5.55 through the split
 (two layers), as if it computed the masked tiles: this says which spelling skips them.
@@ -25,6 +25,7 @@ import torch
 from tp_trainer.model.cuda import attention_cudnn
 from tp_trainer.model.cuda.attention_cuda import CPU_FLASH, CUDNN
 
+from _cudnn_spellings import SPELLINGS, SpelledFrontend
 from _gpu_profile import failure_text, top_kernels
 
 COUNTS = (1, 8)   # the whole sequence and the goals' 8 slices (32 slices: ~256 graph builds, not here)
@@ -52,8 +53,8 @@ def attention_alone(spec, device, dtype, cudnn=None, counts=COUNTS) -> dict:
     kernels = CUDNN if device.type == "cuda" else CPU_FLASH
     dout_whole = dout.transpose(1, 2).contiguous()   # as SplitAttention hands it to PyTorch's kernel
     runs = [(WHOLE, 1, lambda: _whole(kernels, q, k, v, dout_whole, d ** -0.5))]
-    for spelling in attention_cudnn.SPELLINGS:
-        backend = attention_cudnn.CudnnFrontend(cudnn, spelling)
+    for spelling in SPELLINGS:
+        backend = SpelledFrontend(cudnn, spelling)
         runs += [(spelling, s, lambda s=s, b=backend: _sliced(b, q, k, v, dout, s, d ** -0.5)) for s in counts]
     rows, errors = [], {}
     for spelling, slices, run in runs:
@@ -136,7 +137,7 @@ def attention_alone_lines(result: dict) -> list[str]:
             lines += ["", f"Slice attention alone, {label}: {found['skipped']}"]
             continue
         rows = found["rows"]
-        names = [n for n in (WHOLE, *attention_cudnn.SPELLINGS) if n in found["errors"] or any(
+        names = [n for n in (WHOLE, *SPELLINGS) if n in found["errors"] or any(
             r["spelling"] == n for r in rows)]
         lines += ["", f"Slice attention alone, one layer of {label} ({found['heads']} heads, {found['kv_heads']} K/V "
                   f"heads, head size {found['head_size']}, seq {found['seq_len']}): {found['timed']} of every slice's "

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from tp_trainer.model.cuda.attention_cuda import fallback_reason, kernel_in_use, use_kernel
+from tp_trainer.model.cuda.attention_cuda import AttentionChoice
 from tp_trainer.model.cuda.compiled_blocks import compile_blocks, uncompile_blocks
 from tp_trainer.model.cuda.fused_norm import fuse_rms_norms, unfuse
 
@@ -69,13 +69,14 @@ def block_params(model) -> list:
     return [p for p in blocks.parameters() if p.requires_grad]
 
 
-def wrap(model):
-    """(pipeline DecoderBlocks over one SliceContext, whole-sequence runner of HF's blocks)."""
+def wrap(model, kernel: str = "auto"):
+    """(pipeline DecoderBlocks over one SliceContext, whole-sequence runner of HF's blocks); ``kernel``:
+    the slices' attention kernel on CUDA (``attention_cuda.KERNELS``; ``choose`` changes it)."""
     from tp_trainer.model.stages.layers import DecoderBlock, SliceContext
     gpt2 = model.config.model_type == "gpt2"
     hf_blocks = list(model.transformer.h) if gpt2 else list(model.model.layers)
     rotary = None if gpt2 else model.model.rotary_emb
-    ctx = SliceContext("sdpa")
+    ctx = SliceContext("sdpa", AttentionChoice(kernel))
     name = "transformer.h" if gpt2 else "model.layers"
     layers = [DecoderBlock(b, f"{name}.{i}", ctx, rotary=rotary) for i, b in enumerate(hf_blocks)]
 
@@ -108,12 +109,18 @@ def flags_label(compiled: bool = False, fused_norm: bool = False) -> str:
     return "".join(text for on, text in ((compiled, ", compiled"), (fused_norm, ", fused norm")) if on)
 
 
-def check_kernel(kernel: str, device) -> None:
-    """Raise where a kernel was given up on a slice since ``use_kernel(kernel)`` (``attention_cuda``'s
-    fallback: the one asked for, or the bottom-right one that "auto" had): the figures just taken are
-    another kernel's."""
-    if device.type == "cuda" and (kernel_in_use() != kernel or fallback_reason()):
-        raise RuntimeError(f"attention {kernel} fell back to {kernel_in_use()}: {fallback_reason()}")
+def choose(ctx, kernel: str) -> AttentionChoice:
+    """Make ``kernel`` the slices' attention of the layers over ``ctx`` (a fresh ``AttentionChoice``:
+    a kernel given up earlier is tried again); returns it."""
+    ctx.attention = AttentionChoice(kernel)
+    return ctx.attention
+
+
+def check_kernel(choice: AttentionChoice, device) -> None:
+    """Raise where ``choice`` gave a kernel up on a slice (``AttentionChoice.fall_back``: the one asked
+    for, or the bottom-right one that "auto" had): the figures just taken are another kernel's."""
+    if device.type == "cuda" and (choice.kernel != choice.chosen or choice.fallbacks):
+        raise RuntimeError(f"attention {choice.chosen} fell back to {choice.kernel}: {choice.fallback_reason}")
 
 
 def variants(device, compiled: bool = True, family: str | None = None) -> list[Variant]:
@@ -279,7 +286,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             not_run.append(f"{label} {variant}")
             continue
         mode_captured, weights, kernel, compile_them, fused_norm = variant
-        use_kernel(kernel)
+        choice = choose(ctx, kernel)
         for slices in slice_counts:
             run = None
             try:
@@ -288,7 +295,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                                     weights, compile_them, fused_norm)
                     ins, gs = run.split(x, gy)
                     ms = timed(lambda: run.step(ins, gs), repeats, device)
-                check_kernel(kernel, device)
+                check_kernel(choice, device)
                 if mode_captured and (kernel in ("cudnn", "cudnn-br") or compile_them or fused_norm):
                     # one list per run (W per sequence is split apart); the compiled and fused-norm
                     # variants' too: the engine's fastest GPU mode and its default on CUDA
@@ -304,7 +311,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
                 break
             records.append({"model": label, "seq_len": seq_len, "slices": slices,
                             "mode": "captured" if mode_captured else "eager", "weight_grads": weights,
-                            "attention": kernel_in_use() if device.type == "cuda" else "cpu", "compiled": compile_them,
+                            "attention": choice.kernel if device.type == "cuda" else "cpu", "compiled": compile_them,
                             "fused_norm": fused_norm, "ms": ms, "whole_hf_ms": whole_hf,
                             "peak_mib": peak["mib"]})
             log(f"{label} seq {seq_len} {records[-1]['mode']} ({weights}, {records[-1]['attention']}"
@@ -313,7 +320,7 @@ def measure_set(label, spec, slice_counts, device, dtype, repeats, log, compiled
             run.close()
             del run
             _free(device)
-    use_kernel("auto")
+    choose(ctx, "auto")
     same = ("mode", "weight_grads", "attention", "compiled", "fused_norm")
     for r in records:   # the same capture, weight-gradient mode and kernel on the whole sequence
         one = [o["ms"] for o in records if o["slices"] == 1 and all(o[k] == r[k] for k in same)]
@@ -350,17 +357,17 @@ def sliced_profiles(layers, ctx, params, hidden, seq_len, device, dtype, x, gy, 
         if captured and device.type != "cuda":
             continue
         run = None
-        use_kernel(kernel)
+        choice = choose(ctx, kernel)
         try:
             run = SlicedRun(layers, ctx, params, hidden, seq_len, slices, device, dtype, captured,
                             "W per sequence" if captured else "in B", compile_them, fused_norm)
             ins, gs = run.split(x, gy)
             profiles[name] = top_kernels(lambda: run.step(ins, gs), device, count=40)
-            check_kernel(kernel, device)
+            check_kernel(choice, device)
         except Exception as err:  # noqa: BLE001 -- recorded, the other profiles still run
             profiles[name] = {"error": failure_text(err)}
         finally:
-            use_kernel("auto")
+            choose(ctx, "auto")
             if run is not None:
                 run.close()
             _free(device)

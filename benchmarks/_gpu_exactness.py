@@ -38,12 +38,11 @@ def _run_whole(model, x, gy):
 
 def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B", kernel: str = "auto",
                 compiled: bool = False, fused_norm: bool = False):
-    layers, ctx, _ = cap.wrap(model)
+    layers, ctx, _ = cap.wrap(model, kernel)
     params = cap.block_params(model)
     dtype = params[0].dtype
     for p in params:
         p.grad = torch.zeros_like(p)
-    cap.use_kernel(kernel)
     run = None
     try:
         run = cap.SlicedRun(layers, ctx, params, x.shape[-1], x.shape[1], slices, x.device, dtype, captured,
@@ -52,11 +51,10 @@ def _run_sliced(model, x, gy, slices: int, captured: bool, weights: str = "in B"
         if captured:   # the capture's warm-up left its gradients zeroed: one replayed step
             run.graphs.zero_grads()
         outs, in_grads = run.step(ins, gs)
-        cap.check_kernel(kernel, x.device)   # these errors must be the asked kernel's
+        cap.check_kernel(ctx.attention, x.device)   # these errors must be the asked kernel's
     finally:   # a failed row leaves the shared model's layers as they were for the next one
         if run is not None:
             run.close()
-        cap.use_kernel("auto")
     return torch.cat([o.detach() for o in outs], 1), torch.cat(in_grads, 1), _grads(params)
 
 

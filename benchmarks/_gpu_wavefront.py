@@ -114,9 +114,7 @@ def _replay_ms(run, repeats: int) -> tuple[float, list[torch.Tensor]]:
 def probe_set(spec, device, dtype, counts=COUNTS, repeats: int = REPEATS) -> list[dict]:
     """One record per slice count: {"slices", "streams", "in_order_ms", "wavefront_ms", "max_diff"};
     on a CPU the times are None (the orders run eagerly) and max_diff must be 0."""
-    from tp_trainer.model.cuda.attention_cuda import use_kernel
     from tp_trainer.model.slices.slice_cache import SequenceKV
-    use_kernel("auto")
     seq_len, blocks = spec[-1], spec[-2]
     layers, ctx, _ = wrap(build_model(*spec, device, dtype))
     x = torch.randn(1, seq_len, spec[1], device=device, dtype=dtype)

@@ -5,7 +5,7 @@ flash kernel in float64 (the same math; only the kernels differ on CUDA)."""
 import pytest
 import torch
 
-from tp_trainer.model.cuda.attention_cuda import CPU_FLASH, SplitAttention, cuda_path, use_kernel
+from tp_trainer.model.cuda.attention_cuda import CPU_FLASH, AttentionChoice, SplitAttention, cuda_path
 
 
 def reference(q, k, v, start, scale):
@@ -60,19 +60,37 @@ def test_cuda_path_needs_cuda_and_half_precision():
     k = torch.randn(1, 2, 10, 8, dtype=torch.bfloat16)
     assert not cuda_path(q, k, SliceSpan(6, 4), 0.0, {})   # a CPU tensor takes the CPU path
     with pytest.raises(ValueError, match="auto, cudnn, flash, cudnn-br"):
-        use_kernel("triton")
+        AttentionChoice("triton")
 
 
 def test_auto_kernel_choice():
     """auto: cuDNN's split for slices of l x d >= 65536, flash below and for windows."""
     from tp_trainer.model.slices.attention import SliceSpan
-    from tp_trainer.model.cuda.attention_cuda import kernel_in_use, takes_cudnn
-    assert kernel_in_use() == "auto"
+    choice = AttentionChoice()
+    takes_cudnn = choice.takes_cudnn
+    assert choice.kernel == choice.chosen == "auto"
     assert takes_cudnn(SliceSpan(0, 1024, None), 64) and takes_cudnn(SliceSpan(512, 512, None), 128)
     assert not takes_cudnn(SliceSpan(512, 512, None), 64) and not takes_cudnn(SliceSpan(0, 256, None), 128)
     assert not takes_cudnn(SliceSpan(4096, 1024, 256), 128)   # a window the slice's context exceeds
-    use_kernel("cudnn")
-    try:
-        assert takes_cudnn(SliceSpan(0, 16, None), 64)
-    finally:
-        use_kernel("auto")
+    assert AttentionChoice("cudnn").takes_cudnn(SliceSpan(0, 16, None), 64)
+
+
+def test_the_kernel_of_each_kind_of_slice(monkeypatch):
+    """``AttentionChoice.kinds`` (what the plan line names) follows the rules the slices take: "auto"
+    by size, the bottom-right kernel for slices with context only where the frontend loads."""
+    from tp_trainer.model.cuda import attention_cuda, attention_cudnn
+    monkeypatch.setattr(attention_cudnn, "available", lambda: True)
+    auto = AttentionChoice().kinds("cuda", "bf16")
+    assert auto == {"context-free slice": "cuDNN from l x d >= 65536, else flash",
+                    "slice with context": "cuDNN bottom-right from l x d >= 32768, else cuDNN split from "
+                                          "l x d >= 65536, else flash",
+                    "window": "flash", "packed slice": "HF's SDPA"}
+    assert AttentionChoice("cudnn-br").kinds("cuda", "fp16")["slice with context"] == "cuDNN bottom-right"
+    assert AttentionChoice("cudnn-br").kinds("cuda", "fp16")["context-free slice"] == auto["context-free slice"]
+    assert AttentionChoice("cudnn").kinds("cuda", "bf16")["slice with context"] == "cuDNN split"
+    assert set(AttentionChoice("flash").kinds("cuda", "bf16").values()) == {"flash", "HF's SDPA"}
+    assert AttentionChoice().kinds("cpu", "bf16") == {"every slice": "the CPU flash kernel"}
+    assert AttentionChoice().kinds("cuda", "fp32") == {"every slice": "HF's SDPA with the slice's mask"}
+    monkeypatch.setattr(attention_cudnn, "available", lambda: False)
+    assert AttentionChoice().kinds("cuda", "bf16")["slice with context"] == "cuDNN split from l x d >= 65536, else flash"
+    assert attention_cuda.AttentionChoice("auto").describe("cpu", "fp32") == "auto (every slice: the CPU flash kernel)"

@@ -1,4 +1,4 @@
-"""attention_cudnn: one bottom-right causal attention per slice (TP_SLICE_ATTENTION=cudnn-br).
+"""attention_cudnn: one bottom-right causal attention per slice (terapipe.attention "cudnn-br").
 
 cuDNN needs a GPU, so here the autograd function runs against a float64 reference backend, and
 ``CudnnFrontend`` (graph building, caching, the variant pack) against a stand-in ``cudnn`` module
@@ -203,37 +203,13 @@ def _through_frontend(backend, start, length=5):
                + [float((a.double() - b).abs().max()) for a, b in zip(got, want)])
 
 
-@pytest.mark.parametrize("spelling,backward_masks", [
-    ("bottom-right", [("BOTTOM_RIGHT", 0)]),
-    ("top-left band", [("TOP_LEFT", 7)]),
-    ("split backward", [None, ("TOP_LEFT", 0)]),   # the context's keys unmasked, then the slice's own
-])
-def test_each_mask_spelling_computes_the_slice(spelling, backward_masks):
-    """The three spellings of a slice's mask (``CudnnFrontend.spelling``): the same output and
-    gradients as the reference, through the graphs each says (here 7 tokens of context)."""
-    fake = _fake_cudnn()
-    backend = CudnnFrontend(fake, spelling)
-    assert _through_frontend(backend, 7) < 5e-3
-    masks = [(g.op[0], g.op[1].get("diagonal_alignment"), g.op[1].get("diagonal_band_right_bound"))
-             for g in fake.graphs]
-    forward = ("TOP_LEFT", 7) if spelling == "top-left band" else ("BOTTOM_RIGHT", 0)
-    assert masks[0] == ("sdpa", fake.diagonal_alignment[forward[0]], forward[1])
-    assert masks[1:] == [("sdpa_backward", *((fake.diagonal_alignment[m[0]], m[1]) if m else (None, None)))
-                         for m in backward_masks]
-    before = len(fake.graphs)
-    assert _through_frontend(backend, 0) < 5e-3   # a context-free slice: one graph each way
-    assert [g.op[0] for g in fake.graphs[before:]] == ["sdpa", "sdpa_backward"]
-
-
-def test_a_wrong_mask_spelling_is_caught():
-    """The check above can fail: top-left causal without the band is another mask for a slice with
-    context, and an unknown spelling is refused with the choices."""
+def test_a_wrong_mask_is_caught():
+    """The checks of the frontend's slice can fail: top-left causal without the band is another mask
+    for a slice with context (the other spellings of the right one: test_gpu_attention_time)."""
     backend = CudnnFrontend(_fake_cudnn())
-    backend._mask = lambda context, top_left: {"diagonal_alignment": backend.cudnn.diagonal_alignment.TOP_LEFT,
-                                               "diagonal_band_right_bound": 0}
+    backend._slice_mask = lambda q, k: {"diagonal_alignment": backend.cudnn.diagonal_alignment.TOP_LEFT,
+                                        "diagonal_band_right_bound": 0}
     assert _through_frontend(backend, 7) > 0.1
-    with pytest.raises(ValueError, match="bottom-right, top-left band, split backward"):
-        CudnnFrontend(_fake_cudnn(), "top-right")
 
 
 def test_frontend_names_the_package_when_missing(monkeypatch):
@@ -259,22 +235,22 @@ def test_loaded_library_reads_the_process_maps(tmp_path):
 @pytest.fixture
 def cpu_slices(monkeypatch):
     """``slice_attention_cuda`` on the CPU: the split runs on the CPU's kernels, from any slice size, and
-    no frontend is loaded yet; the kernel choice is "auto" again afterwards."""
+    no frontend is loaded yet."""
     from tp_trainer.model.cuda import attention_cuda
     monkeypatch.setattr(attention_cuda, "CUDNN", attention_cuda.CPU_FLASH)
     monkeypatch.setattr(attention_cuda, "CUDNN_FROM", 0)
     monkeypatch.setattr(attention_cuda, "BR_FROM", 0)
     monkeypatch.setattr(attention_cudnn, "_FRONTEND", {})
-    yield attention_cuda
-    attention_cuda.use_kernel("auto")
+    return attention_cuda
 
 
-def _check_slice(attention_cuda, start, length=5):
-    """One slice through ``slice_attention_cuda`` in float32 (the stand-in graphs take no float64),
-    against the float64 reference."""
+def _check_slice(attention_cuda, choice, start, length=5):
+    """One slice through ``slice_attention_cuda`` under ``choice`` (an ``AttentionChoice``) in float32
+    (the stand-in graphs take no float64), against the float64 reference."""
     from tp_trainer.model.slices.attention import SliceSpan
     q, k, v = _inputs(start, length, 4, 2, False)
-    out = attention_cuda.slice_attention_cuda(q.float(), k.float(), v.float(), SliceSpan(start, length), 8 ** -0.5)
+    out = attention_cuda.slice_attention_cuda(q.float(), k.float(), v.float(), SliceSpan(start, length), 8 ** -0.5,
+                                              choice)
     assert torch.allclose(out.transpose(1, 2).double(), reference(q, k, v, start, 8 ** -0.5), rtol=0, atol=1e-5)
 
 
@@ -286,26 +262,27 @@ def test_auto_takes_the_bottom_right_kernel_for_slices_with_context(cpu_slices, 
     fake = _fake_cudnn()
     attention_cudnn._FRONTEND["backend"] = CudnnFrontend(fake)
     monkeypatch.setattr(cpu_slices, "BR_FROM", 5 * 8)
-    _check_slice(cpu_slices, 0)
+    auto = cpu_slices.AttentionChoice("auto")
+    _check_slice(cpu_slices, auto, 0)
     assert fake.graphs == []
-    _check_slice(cpu_slices, 7)
+    _check_slice(cpu_slices, auto, 7)
     assert [g.op[0] for g in fake.graphs] == ["sdpa"]   # forward only: the check takes no gradient
-    _check_slice(cpu_slices, 7, length=4)   # 4 x 8 < BR_FROM
+    _check_slice(cpu_slices, auto, 7, length=4)   # 4 x 8 < BR_FROM
     assert len(fake.graphs) == 1
-    takes = cpu_slices.takes_bottom_right
+    takes = auto.takes_bottom_right
     assert takes(SliceSpan(7, 5), 8) and not takes(SliceSpan(7, 5, window=4), 8)
-    cpu_slices.use_kernel("cudnn-br")   # chosen: any size, still not a context-free slice
+    takes = cpu_slices.AttentionChoice("cudnn-br").takes_bottom_right   # chosen: any size, not a context-free slice
     assert takes(SliceSpan(7, 4), 8) and not takes(SliceSpan(0, 5), 8)
     for kernel in ("cudnn", "flash"):
-        cpu_slices.use_kernel(kernel)
-        assert not takes(SliceSpan(7, 5), 8)
+        assert not cpu_slices.AttentionChoice(kernel).takes_bottom_right(SliceSpan(7, 5), 8)
 
 
 def test_auto_without_the_package_runs_the_split_silently(cpu_slices, monkeypatch, recwarn):
     monkeypatch.setitem(sys.modules, "cudnn", None)
-    _check_slice(cpu_slices, 7)
-    _check_slice(cpu_slices, 7)
-    assert cpu_slices.kernel_in_use() == "auto" and not recwarn.list
+    auto = cpu_slices.AttentionChoice("auto")
+    _check_slice(cpu_slices, auto, 7)
+    _check_slice(cpu_slices, auto, 7)
+    assert auto.kernel == "auto" and not recwarn.list and auto.fallbacks == []
     assert "nvidia-cudnn-frontend" in attention_cudnn._FRONTEND["missing"]   # tried once
 
 
@@ -321,16 +298,21 @@ class _Refusing:
 
 
 def test_auto_gives_up_a_failing_bottom_right_kernel_once(cpu_slices):
+    """One warning with the reason, and the fallback recorded on the run's ``AttentionChoice`` (which the
+    run writes into plan.json); another run's choice tries the kernel again."""
     refusing = attention_cudnn._FRONTEND["backend"] = _Refusing()
-    with pytest.warns(UserWarning, match="bottom-right attention failed.*no execution plan.*split or flash"):
-        _check_slice(cpu_slices, 7)
-    _check_slice(cpu_slices, 7)
-    assert refusing.calls == 1 and cpu_slices.kernel_in_use() == "auto"
-    assert "no execution plan" in cpu_slices.fallback_reason()   # what gpu_check's check_kernel reports
-    cpu_slices.use_kernel("auto")   # chosen again: tried again, the reason forgotten
-    assert cpu_slices.fallback_reason() == ""
+    auto = cpu_slices.AttentionChoice("auto")
+    with pytest.warns(UserWarning, match="bottom-right attention failed.*no execution plan.*split or flash") as caught:
+        _check_slice(cpu_slices, auto, 7)
+        _check_slice(cpu_slices, auto, 7)
+    assert len(caught) == 1
+    assert refusing.calls == 1 and auto.kernel == "auto" and auto.bottom_right_off
+    assert "no execution plan" in auto.fallback_reason   # what gpu_check's check_kernel reports
+    assert [(f["failed"], f["to"]) for f in auto.fallbacks] == [("cudnn-br", "auto")]
+    again = cpu_slices.AttentionChoice("auto")   # chosen again: tried again, no reason recorded
+    assert again.fallback_reason == "" and again.fallbacks == []
     with pytest.warns(UserWarning, match="bottom-right attention failed"):
-        _check_slice(cpu_slices, 7)
+        _check_slice(cpu_slices, again, 7)
     assert refusing.calls == 2
 
 
@@ -338,23 +320,27 @@ def test_a_failing_kernel_falls_back_once_with_its_reason(cpu_slices, monkeypatc
     """cudnn-br without its package: the slice runs cuDNN's split instead (here on the CPU's kernels),
     one warning names the reason, and the slices after it take the split directly."""
     monkeypatch.setitem(sys.modules, "cudnn", None)
-    cpu_slices.use_kernel("cudnn-br")
+    chosen = cpu_slices.AttentionChoice("cudnn-br")
     with pytest.warns(UserWarning, match="bottom-right attention failed.*pip install nvidia-cudnn-frontend"):
-        _check_slice(cpu_slices, 7)
-    assert cpu_slices.kernel_in_use() == "cudnn"
-    assert "nvidia-cudnn-frontend" in cpu_slices.fallback_reason()
+        _check_slice(cpu_slices, chosen, 7)
+    assert chosen.kernel == "cudnn" and chosen.chosen == "cudnn-br"
+    assert "nvidia-cudnn-frontend" in chosen.fallback_reason
 
 
 def test_cost_models_record_the_bottom_right_kernel(cpu_slices, monkeypatch):
     """A cost model measured with the bottom-right kernel says so (``planner.auto.measured_settings``):
     its slices with context cost otherwise than the split's."""
-    kernel = cpu_slices.measured_kernel
+    from tp_trainer.planner.auto import measured_settings
+    kernel = cpu_slices.AttentionChoice("auto").measured
     monkeypatch.setitem(sys.modules, "cudnn", None)
     assert kernel("cuda", "bf16") == kernel("cpu", "bf16") == "auto"
     monkeypatch.setattr(attention_cudnn, "_FRONTEND", {"backend": CudnnFrontend(_fake_cudnn())})
     assert kernel("cuda", "bf16") == "auto with cudnn-br" and kernel("cuda", "fp32") == kernel("cpu", "bf16") == "auto"
-    cpu_slices.use_kernel("flash")
-    assert kernel("cuda", "fp16") == "flash"
+    assert cpu_slices.AttentionChoice("flash").measured("cuda", "fp16") == "flash"
+    config = types.SimpleNamespace(model_type="gpt2")   # the run's choice is what its cost model records
+    flash = cpu_slices.AttentionChoice("flash")
+    assert measured_settings("cuda", "bf16", False, config, attention=flash)["attention"] == "flash"
+    assert measured_settings("cuda", "bf16", False, config)["attention"] == "auto with cudnn-br"
 
 
 def test_the_cuda_extra_installs_the_pinned_frontend():

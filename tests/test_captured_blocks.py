@@ -109,11 +109,14 @@ def test_an_auto_plan_for_captured_blocks_on_a_gpu_says_how_it_was_timed(tmp_pat
     import logging
     from types import SimpleNamespace
 
+    from tp_trainer.choices import RunChoices
+    from tp_trainer.model.stages.layers import SliceContext
     from tp_trainer.run import _write_plan
+    choices = RunChoices.of({"bf16": {"enabled": True}}, {"seq_len": 16})
     engine = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}"), run_plan=SimpleNamespace(report="planned"),
                              captured=object(), device=torch.device(device), schedule_name="gpipe", num_stages=2,
-                             weight_grads_mode="W")
+                             weight_grads_mode="W", slice_context=SliceContext())
     with caplog.at_level(logging.INFO, logger="tp_trainer"):
-        _write_plan(engine, str(tmp_path))
+        _write_plan(engine, str(tmp_path), choices)
     assert ("terapipe.cuda_graphs: these slices were planned from the units timed eagerly" in caplog.text) == warned
     assert (tmp_path / "plan.txt").read_text() == "planned\n"

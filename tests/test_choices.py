@@ -10,9 +10,11 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tp_trainer.choices import RULES, RunChoices, RunInputs, check
 from tp_trainer.config import ConfigError, TeraPipeConfig
+from tp_trainer.model.stages.layers import SliceContext
 
 GRAPHS = {"cuda_graphs": True}
 COMPILED = {"compile_blocks": "inductor"}
@@ -165,7 +167,8 @@ def test_the_plan_line_says_what_a_step_computes(tmp_path, caplog):
                             {"seq_len": 16})
     mode = f"in B ({choices.weight_grads_in_b})"
     engine = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}"), run_plan=SimpleNamespace(report=None),
-                             captured=None, schedule_name="gpipe", num_stages=2, weight_grads_mode=mode)
+                             captured=None, schedule_name="gpipe", num_stages=2, weight_grads_mode=mode,
+                             device=torch.device("cpu"), slice_context=SliceContext())
     with caplog.at_level(logging.INFO, logger="tp_trainer"):
         _write_plan(engine, str(tmp_path), choices)
     assert re.search(r"plan: .*, fp16, ZeRO-1 with overlap_comm, schedule gpipe, 2 stages, weight gradients: in B "

@@ -261,23 +261,21 @@ def test_a_variant_failing_mid_step_leaves_the_layers_as_they_were(monkeypatch):
 
 
 def test_check_kernel_refuses_figures_taken_after_a_fallback():
-    """A kernel given up since ``use_kernel`` (the bottom-right one that "auto" had, here) fails the
-    variant, though "auto" is still the kernel in use; choosing the kernel again clears it."""
+    """A kernel given up by the run's ``AttentionChoice`` (the bottom-right one that "auto" had, here)
+    fails the variant, though "auto" is still the kernel in use; choosing the kernel again clears it."""
     import pytest
     import torch
 
     import _gpu_capture as cap
-    from tp_trainer.model.cuda import attention_cuda
+    from tp_trainer.model.stages.layers import SliceContext
     cuda = torch.device("cuda")   # check_kernel reads the device's type only
-    cap.use_kernel("auto")
-    try:
-        cap.check_kernel("auto", cuda)
-        with pytest.warns(UserWarning, match="bottom-right attention failed"):
-            attention_cuda._fall_back(RuntimeError("no execution plan"), "cudnn-br", "auto")
-        assert attention_cuda.kernel_in_use() == "auto"
-        with pytest.raises(RuntimeError, match="attention auto fell back to auto: no execution plan"):
-            cap.check_kernel("auto", cuda)
-        cap.check_kernel("auto", torch.device("cpu"))   # a CPU has no kernel to fall back from
-    finally:
-        cap.use_kernel("auto")
-    cap.check_kernel("auto", cuda)
+    ctx = SliceContext("sdpa")
+    choice = cap.choose(ctx, "auto")
+    cap.check_kernel(choice, cuda)
+    with pytest.warns(UserWarning, match="bottom-right attention failed"):
+        choice.fall_back(RuntimeError("no execution plan"), "cudnn-br", "auto")
+    assert choice.kernel == "auto" and ctx.attention is choice
+    with pytest.raises(RuntimeError, match="attention auto fell back to auto: no execution plan"):
+        cap.check_kernel(choice, cuda)
+    cap.check_kernel(choice, torch.device("cpu"))   # a CPU has no kernel to fall back from
+    cap.check_kernel(cap.choose(ctx, "auto"), cuda)

@@ -149,7 +149,10 @@ def test_launcher_trains_two_stages(tmp_path):
     assert len(losses) == 8, log[-3000:]
     assert losses[-1] < losses[0] - 0.5, losses
     assert json.loads((out / "plan.json").read_text())["slices"] == [80, 72, 56, 48]
-    assert re.search(r"\[rank 0\] [\d:]+ plan: .*, schedule gpipe, 2 stages, weight gradients: W\n", log), log[-3000:]
+    assert re.search(r"\[rank 0\] [\d:]+ plan: .*, schedule gpipe, 2 stages, weight gradients: W, slice attention "
+                     r"auto \(every slice: the CPU flash kernel\)\n", log), log[-3000:]
+    assert json.loads((out / "plan.json").read_text())["attention"] == {
+        "kernel": "auto", "kinds": {"every slice": "the CPU flash kernel"}}   # no fallback: none recorded
     assert not (out / "hf_model").exists()
     records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9)) and all(r["step_s"] > 0 for r in records), records

@@ -32,6 +32,8 @@ def test_plan_round_trips_through_json():
     ({"seq_len": 16, "cuda_graphs": "on"}, r"terapipe.cuda_graphs: must be true or false, got 'on'"),
     ({"seq_len": 16, "fused_rms_norm": "on"}, r"terapipe.fused_rms_norm: must be true, false or \"auto\", got 'on'"),
     ({"seq_len": 16, "compile_blocks": True}, r"terapipe.compile_blocks: True; use one of \['inductor', 'aot_eager'\]"),
+    ({"seq_len": 16, "attention": "bogus"},
+     r"^terapipe.attention: 'bogus'; use one of \['auto', 'cudnn', 'flash', 'cudnn-br'\]$"),
     ({"seq_len": 16, "calibrate": True}, r"terapipe.calibrate: no longer exists \(the start-up calibration .*\); "
                                           r"delete the key"),
 ])
@@ -51,8 +53,8 @@ def test_bad_terapipe_section(section, message):
     ("gpt2", {"cuda_graphs": True}, False, "was measured with captured blocks (terapipe.cuda_graphs), this "
                                            "run computes with eager blocks"),
     ("gpt2", {"attention": "auto with cudnn-br"}, False, "was measured with slice attention auto with "
-                                                         "cudnn-br (TP_SLICE_ATTENTION), this run computes "
-                                                         "with slice attention auto (TP_SLICE_ATTENTION)"),
+                                                         "cudnn-br (terapipe.attention), this run computes "
+                                                         "with slice attention auto (terapipe.attention)"),
     ("gpt2", {}, True, None),            # GPT-2 has no RMSNorm: fused_rms_norm changes nothing it runs
     ("llama", {"fused_norm": True}, True, None),
     ("llama", {}, "auto", None),         # a file from before the key: HF's norms, on a CPU, in fp32
@@ -82,3 +84,44 @@ def test_cost_model_must_be_measured_as_the_run_computes(tmp_path, family, writt
 def test_plan_rejects_bad_sum():
     with pytest.raises(PlanError, match="terapipe.slices"):
         SlicePlan(8, (4, 3))
+
+
+def _engine(attention):
+    """What ``run``'s plan output reads of an engine: one CPU stage whose slices attend under ``attention``."""
+    import types
+
+    import torch
+
+    from tp_trainer.model.stages.layers import SliceContext
+    from tp_trainer.plan import RunPlan
+    plan = SlicePlan(16, (8, 8))
+    return types.SimpleNamespace(plan=plan, run_plan=RunPlan(plan, "gpipe"), schedule_name="gpipe", num_stages=1,
+                                 weight_grads_mode="in B", device=torch.device("cpu"), captured=None, stage_id=0,
+                                 slice_context=SliceContext("sdpa", attention))
+
+
+def test_the_plan_names_the_slice_attention_and_records_a_fallback(tmp_path, caplog):
+    """The plan line and plan.json name the kernel each kind of slice runs (``terapipe.attention``);
+    a kernel the run gave up (here a simulated cuDNN failure) is added to plan.json and the log at the end."""
+    import json
+    import logging
+
+    from tp_trainer.model.cuda.attention_cuda import AttentionChoice
+    from tp_trainer.run import _write_plan, record_fallbacks
+    choice = AttentionChoice("cudnn")
+    engine = _engine(choice)
+    with caplog.at_level(logging.INFO, logger="tp_trainer"):
+        _write_plan(engine, str(tmp_path))
+        assert record_fallbacks(engine, str(tmp_path), 0, "fp32") == []
+    assert "slice attention cudnn (every slice: the CPU flash kernel)" in caplog.text
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["slices"] == [8, 8] and saved["attention"] == {"kernel": "cudnn",
+                                                                 "kinds": {"every slice": "the CPU flash kernel"}}
+    with pytest.warns(UserWarning, match="cuDNN's split attention failed on a slice \\(no execution plan\\)"):
+        choice.fall_back(RuntimeError("no execution plan"), "cudnn", "flash")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tp_trainer"):
+        found = record_fallbacks(engine, str(tmp_path), 0, "fp32")
+    assert found == [{"stage": 0, "rank": 0, "failed": "cudnn", "to": "flash", "reason": "no execution plan"}]
+    assert json.loads((tmp_path / "plan.json").read_text())["attention"]["fallbacks"] == found
+    assert "stage 0 (rank 0) gave up cudnn for flash: no execution plan" in caplog.text

@@ -183,11 +183,12 @@ def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str 
 
 def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices: RunChoices):
     """With "auto", a cost-model file that exists is read here, once, and must describe this model's
-    stages measured as this run computes (``choices``: device, dtype, fused norms, captured blocks:
+    stages measured as this run computes (``choices``: device, dtype, fused norms, captured blocks, slice attention:
     ``planner.auto.measured_settings``);
     returns it (None: none given, or not written yet: the run profiles)."""
     if not (terapipe.auto and terapipe.cost_model and os.path.isfile(terapipe.cost_model)):
         return None
+    from .model.cuda.attention_cuda import AttentionChoice
     from .planner.auto import measured_settings
     from .planner.cost_model import PipelineCost
     try:
@@ -202,7 +203,7 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
     run = measured_settings(choices.device_type, choices.precision, choices.fused_norms, model_config,
-                            choices.cuda_graphs)
+                            choices.cuda_graphs, AttentionChoice(choices.attention))
     written = {key: cost.meta.get(key, UNRECORDED_SETTINGS[key]) for key in run}
     differ = [key for key in run if written[key] != run[key]]
     if differ:
@@ -230,7 +231,7 @@ def _setting_words(key: str, value) -> str:
     if key == "cuda_graphs":
         return "with captured blocks (terapipe.cuda_graphs)" if value else "with eager blocks"
     if key == "attention":
-        return f"with slice attention {value} (TP_SLICE_ATTENTION)"
+        return f"with slice attention {value} (terapipe.attention)"
     return f"{'on' if key == 'device' else 'in'} {value}"
 
 

@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 
 
 COMPILE_BACKENDS = (None, "inductor", "aot_eager")   # terapipe.compile_blocks
+ATTENTION_KERNELS = ("auto", "cudnn", "flash", "cudnn-br")   # terapipe.attention (model/cuda/attention_cuda.py)
 
 REMOVED_KEYS = {
     "calibrate": "the start-up calibration measured no faster step on 2 CPU ranks and added ~10 s to every "
@@ -109,6 +110,21 @@ class TeraPipeConfig:
     applied before the one rounding to bf16 / fp16 (HF rounds once more: the fused result is the
     closer to float64); float64 keeps HF's forward."""
 
+    attention: str = "auto"
+    """The slices' attention kernel on CUDA in fp16 / bf16 (model/cuda/attention_cuda.py, held per run
+    as an ``AttentionChoice``). l x d: a slice's tokens x head size.
+    "auto" (the default): per slice by its size: a slice with context takes one cuDNN kernel with the
+    causal diagonal aligned bottom-right where NVIDIA's cuDNN frontend is installed (``pip install
+    .[cuda]``) and l x d >= 32768; else cuDNN split at the context boundary (the context unmasked, the
+    slice's own keys causal, joined by their log-sum-exp) for l x d >= 65536; else PyTorch's flash
+    kernel. "flash": the flash kernel for every slice. "cudnn": cuDNN's split for every slice.
+    "cudnn-br": the bottom-right kernel for every slice with context (a context-free slice as "auto").
+    Under every choice a sliding window takes flash and packed examples HF's SDPA with their mask; a
+    CPU runs its flash kernel, and fp32 on CUDA HF's SDPA. A kernel that fails on a slice is given up
+    for the rest of the run with one warning (the bottom-right kernel for the split, the split for
+    flash), and the run records it in plan.json. The plan line names the kernel of each kind of slice.
+    Which is faster where: benchmarks/RESULTS.md."""
+
     memory_limit_gib: object = None
     """With "auto" slices: the most memory (GiB) one rank may use for this run (parameters, gradients,
     optimizer state, activations and K/V; measured as peak RSS above the process's size before the
@@ -163,6 +179,8 @@ class TeraPipeConfig:
             raise ConfigError(f"terapipe.fused_rms_norm: must be true, false or \"auto\", got {self.fused_rms_norm!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"terapipe.cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"terapipe.attention: {self.attention!r}; use one of {list(ATTENTION_KERNELS)}")
         if self.compile_blocks not in COMPILE_BACKENDS:
             raise ConfigError(f"terapipe.compile_blocks: {self.compile_blocks!r}; use one of "
                               f"{[b for b in COMPILE_BACKENDS if b]} or null (off)")

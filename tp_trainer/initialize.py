@@ -26,6 +26,7 @@ from .failures import together
 from .lora import add_lora
 from .ds_compat import bf16_fold_config, stage_of_rank
 from .memory import device_used_mb
+from .model.cuda.attention_cuda import AttentionChoice
 from .model.cuda.compiled_blocks import compile_blocks
 from .model.cuda.fused_norm import fuse_rms_norms
 from .model.stages.layers import DecoderBlock
@@ -87,12 +88,13 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     local_rank, _ = local_ranks()
     device = get_accelerator().device_name(local_rank)
     baseline_mb = device_used_mb(device)  # the memory limit counts from here
+    attention = AttentionChoice(spec.choices.attention)   # the profile's and the stage's slices read it
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
-                               baseline_mb) if terapipe.auto and split is None else (None, None))
+                               baseline_mb, attention) if terapipe.auto and split is None else (None, None))
     split = layout.split if layout else split
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
              device=device, split=split)
-    module = build_pipeline_module(model, stages, split=split)
+    module = build_pipeline_module(model, stages, split=split, attention=attention)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     # before compile_blocks: the compiled blocks trace the fused forward
     if choices.fused_norms:
@@ -171,9 +173,10 @@ def replica_batch(ds_config: dict, replicas: int) -> tuple[int, int]:
     return int(micro or 1), int(accumulation or 1)
 
 
-def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | None = None):
-    """The measured split and slices (``planner.auto.measured_layout``), before the model is built.
-    Returns (Layout, report text). Collective."""
+def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | None = None,
+                    attention: AttentionChoice | None = None):
+    """The measured split and slices (``planner.auto.measured_layout``), before the model is built;
+    ``attention``: the run's slice attention kernel, the one profiled. Returns (Layout, report text). Collective."""
     from .model.families.adapters import adapter_for
     from .model.stages.split import split_for_config
     from .planner.auto import measured_layout as plan
@@ -186,6 +189,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
                 terapipe.profile_seconds, terapipe.cost_model, terapipe.schedule, spec.cost, device,
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
                 terapipe.share_halves, lora=terapipe.lora, dtype=spec.choices.precision,
-                fused_norm=spec.choices.fused_norms, captured=spec.choices.cuda_graphs)
+                fused_norm=spec.choices.fused_norms, captured=spec.choices.cuda_graphs,
+                attention=attention or AttentionChoice(spec.choices.attention))
 
 

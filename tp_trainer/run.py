@@ -66,11 +66,13 @@ def _train(args: RunArgs, spec: RunSpec, rank: int) -> list[float]:
         job = _start(args, spec, rank)
     except RunStopped as stop:  # every rank is here, with the same code; one of them reports
         stop_together(stop)
+    dtype = spec.pipeline.choices.precision
     if rank == 0:
         _write_plan(job.engine, args.output_dir, spec.pipeline.choices)
     if job.first_step == 0:
         evaluate(job.engine, job.validation, args, step=0, rank=rank)
     losses = _loop(job, args, rank)
+    record_fallbacks(job.engine, args.output_dir, rank, dtype)
     _finish(job, args, rank, losses)
     return losses
 
@@ -128,9 +130,9 @@ def _nothing(*_args):
 def _write_plan(engine, output_dir: str, choices=None) -> None:
     """plan.json (and the planner's report), and the ``plan:`` line: the slices, what a step computes
     (``choices``, the run's ``RunChoices``: precision, ZeRO, what is on), the order and how W runs."""
+    dtype = choices.precision if choices is not None else "fp32"
     os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "plan.json"), "w", encoding="utf-8") as handle:
-        handle.write(engine.plan.to_json())
+    _write_plan_json(engine, output_dir, dtype)
     report = engine.run_plan.report
     if report:
         with open(os.path.join(output_dir, "plan.txt"), "w", encoding="utf-8") as handle:
@@ -141,8 +143,40 @@ def _write_plan(engine, output_dir: str, choices=None) -> None:
                         "included, which the captured units do not pay; on a GPU give terapipe.slices explicitly "
                         "(scripts/gpu_check.sh reports the plan for captured units)")
     computes = f", {choices.summary}" if choices is not None else ""
-    log.info("plan: %s%s, schedule %s, %d stages, weight gradients: %s", engine.plan, computes, engine.schedule_name,
-             engine.num_stages, engine.weight_grads_mode)
+    log.info("plan: %s%s, schedule %s, %d stages, weight gradients: %s, slice attention %s", engine.plan,
+             computes, engine.schedule_name, engine.num_stages, engine.weight_grads_mode,
+             engine.slice_context.attention.describe(engine.device.type, dtype))
+
+
+def _write_plan_json(engine, output_dir: str, dtype: str, fallbacks: list | None = None) -> None:
+    """plan.json: the slice plan, and the slice attention (``terapipe.attention``, the kernel of each
+    kind of slice and, once the run has given any up, its ``fallbacks``)."""
+    import json
+    attention = engine.slice_context.attention
+    data = {**json.loads(engine.plan.to_json()),
+            "attention": {"kernel": attention.chosen, "kinds": attention.kinds(engine.device.type, dtype)}}
+    if fallbacks:
+        data["attention"]["fallbacks"] = fallbacks
+    with open(os.path.join(output_dir, "plan.json"), "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+
+
+def record_fallbacks(engine, output_dir: str, rank: int, dtype: str) -> list[dict]:
+    """The slice attention kernels every rank gave up during the run (``AttentionChoice.fallbacks``,
+    with the stage and rank; collective); rank 0 adds them to plan.json and the log. Returns them."""
+    import torch.distributed as tdist
+    mine = [{"stage": engine.stage_id, "rank": rank, **f} for f in engine.slice_context.attention.fallbacks]
+    everyone = [mine]
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        everyone = [None] * tdist.get_world_size()
+        tdist.all_gather_object(everyone, mine)
+    fallbacks = [f for found in everyone for f in found]
+    if rank == 0 and fallbacks:
+        _write_plan_json(engine, output_dir, dtype, fallbacks)
+        log.warning("slice attention: %s (plan.json)", "; ".join(
+            f"stage {f['stage']} (rank {f['rank']}) gave up {f['failed']} for {f['to']}: {f['reason']}"
+            for f in fallbacks))
+    return fallbacks
 
 
 def _loop(job: Job, args: RunArgs, rank: int) -> list[float]:

@@ -75,7 +75,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
                     schedule: str = "gpipe", cost: PipelineCost | None = None, device="cpu",
                     memory_limit: float | None = None, baseline_mb: float | None = None,
                     split_blocks: bool = True, share_halves: bool = False, lora=None,
-                    dtype: str = "fp32", fused_norm: bool = False, captured: bool = False) -> tuple[Layout, str]:
+                    dtype: str = "fp32", fused_norm: bool = False, captured: bool = False,
+                    attention=None) -> tuple[Layout, str]:
     """``"slices": "auto"`` before the model is built: the stage split and the slices, chosen together
     from per-layer costs (``layer_cost``). Collective: the probe's parts are profiled across the ranks
     (or read from ``cost.meta["layers"]``), rank 0 plans and broadcasts (Layout, report text);
@@ -89,7 +90,8 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
     ``share_halves``: a half near it may be shared by the two stages' slices (``shareable_halves``).
     ``dtype``: the run's compute dtype ("fp32", "bf16", "fp16"), the one the parts are profiled in;
     ``fused_norm``: the parts' RMSNorms fused, as the run's (``terapipe.fused_rms_norm``); ``captured``:
-    the block's parts timed from CUDA graphs, as the run's (``terapipe.cuda_graphs``)."""
+    the block's parts timed from CUDA graphs, as the run's (``terapipe.cuda_graphs``); ``attention``: the
+    run's slice attention kernel (``attention_cuda.AttentionChoice``, default "auto"), the parts' too."""
     rank, world = rank_and_world()
     if memory_limit is not None:
         memory_limit = _least_over_ranks(memory_limit)  # rank 0 plans for every rank: the tightest holds
@@ -102,7 +104,7 @@ def measured_layout(config, seq_len: int, batch: int, stages: int, analytic, mic
         unit_limit = None if memory_limit is None else memory_plan.PROFILE_SHARE * memory_limit
         layers, latency, per_byte, meta = _measure(config, seq_len, batch, microbatch_size, granularity,
                                                    time_budget_s, device, unit_limit, split_blocks, dtype, fused_norm,
-                                                   captured)
+                                                   captured, attention)
     if not split_blocks:
         layers = layers.whole()
     if lora is not None and layers.memory is not None:  # adapter state, not full state
@@ -167,13 +169,14 @@ def _profile_peaks(baseline_mb: float | None, device=None) -> list[float] | None
 
 
 def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s, device, unit_limit=None,
-             halves: bool = True, dtype: str = "fp32", fused_norm: bool = False, captured: bool = False):
+             halves: bool = True, dtype: str = "fp32", fused_norm: bool = False, captured: bool = False,
+             attention=None):
     """Profile the probe's parts across the ranks (collective): (LayerCosts, latency, per_byte, meta).
     ``unit_limit``: bytes one profiled unit may take (``measure_layers``' max_unit_bytes)."""
     rank, world = rank_and_world()
     sizes = [microbatch_size] if microbatch_size else _divisors(batch)
     mine, prefix, suffix = measure_layers(config, seq_len, sizes, granularity, time_budget_s, device, rank, world,
-                                          unit_limit, halves, TORCH_DTYPES[dtype], fused_norm, captured)
+                                          unit_limit, halves, TORCH_DTYPES[dtype], fused_norm, captured, attention)
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -183,19 +186,22 @@ def _measure(config, seq_len, batch, microbatch_size, granularity, time_budget_s
     latency, per_byte = measure_p2p(config.hidden_size, seq_len, layers.block.bytes_per_element)
     meta = {"seq_len": seq_len, "batch_sizes": list(sizes), "granularity": granularity,
             "torch_threads": torch.get_num_threads(), "world_size": world,
-            **measured_settings(torch.device(device).type, dtype, fused_norm, config, captured)}
+            **measured_settings(torch.device(device).type, dtype, fused_norm, config, captured, attention)}
     return layers, latency, per_byte, meta
 
 
-def measured_settings(device_type: str, dtype: str, fused_norm: bool, config, captured: bool = False) -> dict:
+def measured_settings(device_type: str, dtype: str, fused_norm: bool, config, captured: bool = False,
+                      attention=None) -> dict:
     """What a cost model's times depend on beside the model: the device type, the compute dtype,
     whether the RMSNorms ran fused (false where the family has none to fuse), whether the blocks
-    ran from CUDA graphs and the slice attention kernel (``attention_cuda.measured_kernel``). Written
-    into the cost model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
-    from ..model.cuda.attention_cuda import measured_kernel
+    ran from CUDA graphs and the run's slice attention kernel (``attention``, an
+    ``attention_cuda.AttentionChoice``, default "auto": its ``measured``). Written into the cost
+    model's meta; a run reading it (``checks.read_cost_model``) compares its own."""
+    from ..model.cuda.attention_cuda import AttentionChoice
     from ..model.cuda.fused_norm import config_has_fusable_norms
+    attention = attention if attention is not None else AttentionChoice()
     return {"device": device_type, "dtype": dtype, "fused_norm": bool(fused_norm and config_has_fusable_norms(config)),
-            "cuda_graphs": bool(captured), "attention": measured_kernel(device_type, dtype)}
+            "cuda_graphs": bool(captured), "attention": attention.measured(device_type, dtype)}
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

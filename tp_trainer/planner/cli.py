@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from ..config import ATTENTION_KERNELS
 from .auto import TORCH_DTYPES, save_plan
 from .cost_model import PipelineCost
 from .profile import profile_stage, time_copy
@@ -123,6 +124,8 @@ def parse_args(argv=None):
                      help="as terapipe.fused_rms_norm: auto fuses Llama-style RMSNorms on CUDA")
     run.add_argument("--cuda_graphs", action="store_true",
                      help="as terapipe.cuda_graphs: time the blocks replayed from captured graphs")
+    run.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
+                     help="as terapipe.attention: the slices' attention kernel on CUDA in fp16 / bf16")
     return p.parse_args(argv)
 
 
@@ -130,6 +133,7 @@ def plan_layers(args, config, cost) -> None:
     """Plan from per-layer costs (profiled here with --layers, or a cost model's meta["layers"]) and
     print the layout, the memory-aware choice (--memory_limit_gib) and the report."""
     from ..choices import fuses_norms
+    from ..model.cuda.attention_cuda import AttentionChoice
     from ..model.families.adapters import adapter_for
     from ..model.stages.split import split_for_config
     from .auto import _plan, measured_settings
@@ -139,12 +143,14 @@ def plan_layers(args, config, cost) -> None:
                                                                       if args.batch % b == 0]
         device = torch.device(args.device)
         fused = fuses_norms({"true": True, "false": False}.get(args.fused_rms_norm, "auto"), device.type)
+        attention = AttentionChoice(args.attention)
         parts, prefix, suffix = measure_layers(config, args.seq_len, sizes, args.granularity, args.time_budget,
                                                device, dtype=TORCH_DTYPES[args.dtype], fused_norm=fused,
-                                               captured=args.cuda_graphs)
+                                               captured=args.cuda_graphs, attention=attention)
         layers = LayerCosts.from_parts(parts, config.num_hidden_layers, prefix, suffix)
         latency, per_byte = time_copy(config.hidden_size, args.seq_len, layers.block.bytes_per_element, device)
-        meta = {"seq_len": args.seq_len, **measured_settings(device.type, args.dtype, fused, config, args.cuda_graphs)}
+        meta = {"seq_len": args.seq_len, **measured_settings(device.type, args.dtype, fused, config, args.cuda_graphs,
+                                                             attention)}
     else:
         layers, latency, per_byte, meta = (LayerCosts.from_dict(cost.meta["layers"]), cost.p2p_latency,
                                            cost.p2p_per_byte, cost.meta)

@@ -304,10 +304,12 @@ def describe_layout(layout: Layout, layers: LayerCosts, analytic: StageSplit) ->
 
 # ------------------------------------------------------------------------------------ measuring
 
-def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True, fused_norm: bool = False):
+def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True, fused_norm: bool = False,
+                attention=None):
     """({part: [callables]}, SliceContext) of a one-block model of ``config`` (random weights; the
     global RNG is left as it was); ``halves``: the block as "attn" and "mlp" where the family allows;
-    ``fused_norm``: its RMSNorms through torch's fused kernels, as the run's (``model.fused_norm``)."""
+    ``fused_norm``: its RMSNorms through torch's fused kernels, as the run's (``model.fused_norm``);
+    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``; default "auto")."""
     from deepspeed.pipe import TiedLayerSpec
     from transformers import AutoModelForCausalLM
 
@@ -323,7 +325,7 @@ def probe_parts(config, device="cpu", dtype=torch.float32, halves: bool = True, 
     if fused_norm:
         fuse_rms_norms([model])
     adapter = adapter_for(small)
-    ctx = SliceContext(small._attn_implementation or "sdpa")
+    ctx = SliceContext(small._attn_implementation or "sdpa", attention)
     tied, funcs, specs = {}, [], adapter.layer_specs(model, ctx)
     for spec in specs:
         if isinstance(spec, TiedLayerSpec):
@@ -343,16 +345,18 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
                    device="cpu", rank: int = 0, world: int = 1,
                    max_unit_bytes: float | None = None, halves: bool = True,
                    dtype: torch.dtype = torch.float32, fused_norm: bool = False,
-                   captured: bool = False) -> tuple[dict, tuple, tuple]:
+                   captured: bool = False, attention=None) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
     with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``).
     ``dtype``: the run's compute dtype, the probe's weights and activations (bf16 / fp16 time unlike fp32);
     ``fused_norm``: the probe's RMSNorms fused, as the run's; ``captured``: the block's parts timed from
-    CUDA graphs, as ``terapipe.cuda_graphs`` runs them (``profile_stage``); prefix and suffix stay eager."""
+    CUDA graphs, as ``terapipe.cuda_graphs`` runs them (``profile_stage``); prefix and suffix stay eager;
+    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``), the probe's."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
-    parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves, fused_norm=fused_norm)
+    parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves, fused_norm=fused_norm,
+                                      attention=attention)
     mask_pair = torch.empty(0, dtype=torch.float32).element_size()  # probe_parts' dtype: the masks' too
     mine = [p for i, p in enumerate(parts) if i % world == rank]
     out, start = {}, time.perf_counter()

@@ -29,27 +29,26 @@ sliding layers) takes ``flash``.
   the masked half), so that slice goes the other way.
 ``auto`` (the default) takes ``cudnn-br`` for a slice with context where the frontend is installed
 and l x d >= 32768 (``BR_FROM``), else cuDNN's split for l x d >= 65536 and flash below, as above.
-``TP_SLICE_ATTENTION=auto|flash|cudnn|cudnn-br`` chooses. A cuDNN failure (an old cuDNN, an unsupported
-shape) switches to ``flash`` for the rest of the process, once, with a warning; the bottom-right
-kernel's (a graph cuDNN does not support; ``cudnn-br`` without the package) to the split, and ``auto``
-stops trying it. Saved for backward either way: q, the output and the log-sum-exp (O(l)) and the K/V
-views (no copy).
+The run's ``terapipe.attention`` (auto|flash|cudnn|cudnn-br) chooses, held as an ``AttentionChoice``
+by the stage's ``SliceContext``. A cuDNN failure (an old cuDNN, an unsupported shape) switches that
+run to ``flash``, once, with a warning; the bottom-right kernel's (a graph cuDNN does not support;
+``cudnn-br`` without the package) to the split, and ``auto`` stops trying it; the ``AttentionChoice``
+records each fallback (the run writes them into plan.json). Saved for backward either way: q, the
+output and the log-sum-exp (O(l)) and the K/V views (no copy).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ...config import ATTENTION_KERNELS as KERNELS
 from . import attention_cudnn
 
-KERNELS = ("auto", "cudnn", "flash", "cudnn-br")
 _FLASH = torch.ops.aten._flash_attention_forward
-_CHOICE = {"kernel": os.environ.get("TP_SLICE_ATTENTION", "auto")}
 CUDNN_FROM = 65536   # slice tokens x head size from which "auto" takes cuDNN's split
 BR_FROM = 32768      # ... and, for a slice with context, the bottom-right kernel where it is installed
 
@@ -149,87 +148,108 @@ def cuda_path(query, key, span, dropout: float, kwargs) -> bool:
             and query.shape[1] % key.shape[1] == 0 and query.shape[-1] == key.shape[-1])
 
 
-def kernel_in_use() -> str:
-    """One of ``KERNELS``: what unwindowed slices run now."""
-    return _CHOICE["kernel"]
-
-
-def fallback_reason() -> str:
-    """Why a kernel was given up on a slice since the last ``use_kernel`` (empty if none was)."""
-    return _CHOICE.get("why", "")
-
-
 _NAMES = {"cudnn": "cuDNN's split attention", "flash": "the flash kernel",
           "cudnn-br": "cuDNN's bottom-right attention", "auto": "the split or flash kernel by slice size"}
 
 
-def _fall_back(err: Exception, failed: str, to: str) -> None:
-    """Give up kernel ``failed``, which raised ``err`` on a slice, for ``to`` for the rest of the process
-    (not inside a capture: the graph would hold a half-recorded slice)."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise err
-    _CHOICE["why"] = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-    warnings.warn(f"{_NAMES[failed]} failed on a slice ({_CHOICE['why']}); slices use {_NAMES[to]} from now on")
-    _CHOICE["kernel"] = to
-    if failed == "cudnn-br":
-        _CHOICE["bottom_right_off"] = True
+class AttentionChoice:
+    """A run's slice attention on CUDA in fp16 / bf16: ``chosen``, one of ``KERNELS``
+    (``terapipe.attention``), built once at start-up and held by the stage's ``SliceContext``, whose
+    slices' attention reads it (``slice_attention_cuda``); ``kernel``: what unwindowed slices run now,
+    ``chosen`` until a kernel fails on a slice; ``fallbacks``: each kernel given up since, as
+    {"failed", "to", "reason"} (one warning each)."""
+
+    def __init__(self, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"terapipe.attention: {kernel!r}; choose {', '.join(KERNELS)}")
+        self.chosen = self.kernel = kernel
+        self.bottom_right_off = False   # "auto" gave up the bottom-right kernel
+        self.fallbacks: list[dict] = []
+
+    @property
+    def fallback_reason(self) -> str:
+        """Why kernels were given up on a slice (empty if none was)."""
+        return "; ".join(f["reason"] for f in self.fallbacks)
+
+    def fall_back(self, err: Exception, failed: str, to: str) -> None:
+        """Give up kernel ``failed``, which raised ``err`` on a slice, for ``to`` for the rest of the run
+        (not inside a capture: the graph would hold a half-recorded slice)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise err
+        why = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        warnings.warn(f"{_NAMES[failed]} failed on a slice ({why}); slices use {_NAMES[to]} from now on")
+        self.fallbacks.append({"failed": failed, "to": to, "reason": why})
+        self.kernel = to
+        self.bottom_right_off = self.bottom_right_off or failed == "cudnn-br"
+
+    def auto_has_bottom_right(self) -> bool:
+        """Whether "auto" runs now and takes the bottom-right kernel: not given up, and the frontend loads."""
+        return self.kernel == "auto" and not self.bottom_right_off and attention_cudnn.available()
+
+    def measured(self, device_type: str, dtype: str) -> str:
+        """The slice attention a run's costs depend on, as a cost model records it: on CUDA in fp16 /
+        bf16 the kernel, "auto" saying whether the bottom-right kernel is in it; "auto" elsewhere (one
+        kernel there)."""
+        if device_type != "cuda" or dtype == "fp32":
+            return "auto"
+        return "auto with cudnn-br" if self.auto_has_bottom_right() else self.kernel
+
+    def takes_bottom_right(self, span, head_size: int) -> bool:
+        """Whether a slice runs cuDNN's bottom-right kernel: an unwindowed slice with context, under
+        ``cudnn-br``, or under ``auto`` where l x d >= ``BR_FROM`` and the frontend loads."""
+        if span.windowed or not span.start:
+            return False
+        return self.kernel == "cudnn-br" or (span.length * head_size >= BR_FROM and self.auto_has_bottom_right())
+
+    def takes_cudnn(self, span, head_size: int) -> bool:
+        """Whether a slice that does not take the bottom-right kernel runs cuDNN's split (else flash)."""
+        if span.windowed or self.kernel == "flash":
+            return False
+        return self.kernel == "cudnn" or span.length * head_size >= CUDNN_FROM
+
+    def kinds(self, device_type: str, dtype: str) -> dict[str, str]:
+        """The kernel each kind of slice runs through SDPA attention modules on ``device_type`` in
+        ``dtype`` ("fp32", "bf16", "fp16"); l x d: a slice's tokens x head size."""
+        if device_type == "cpu":
+            return {"every slice": "the CPU flash kernel"}
+        if device_type != "cuda" or dtype == "fp32":
+            return {"every slice": "HF's SDPA with the slice's mask"}
+        return {"context-free slice": self._by_size(False), "slice with context": self._by_size(True),
+                "window": "flash", "packed slice": "HF's SDPA"}
+
+    def _by_size(self, context: bool) -> str:
+        steps = []
+        if context and self.kernel == "cudnn-br":
+            return "cuDNN bottom-right"
+        if context and self.auto_has_bottom_right():
+            steps.append(f"cuDNN bottom-right from l x d >= {BR_FROM}")
+        if self.kernel == "cudnn":
+            return "cuDNN split" if context else "cuDNN"
+        if self.kernel != "flash":
+            steps.append(f"cuDNN{' split' if context else ''} from l x d >= {CUDNN_FROM}")
+        return ", else ".join(steps + ["flash"])
+
+    def describe(self, device_type: str, dtype: str) -> str:
+        """``kinds`` as the plan line says it: "auto (context-free slice: ...; ...)"."""
+        kinds = "; ".join(f"{kind}: {kernel}" for kind, kernel in self.kinds(device_type, dtype).items())
+        return f"{self.chosen} ({kinds})"
 
 
-def use_kernel(name: str) -> None:
-    """Choose one of ``KERNELS`` for the slices that follow (benchmarks, debugging); a kernel given up
-    earlier is tried again, and its reason forgotten."""
-    if name not in KERNELS:
-        raise ValueError(f"TP_SLICE_ATTENTION / use_kernel: {name!r}; choose {', '.join(KERNELS)}")
-    _CHOICE["kernel"] = name
-    _CHOICE.pop("bottom_right_off", None)
-    _CHOICE.pop("why", None)
-
-
-def _auto_has_bottom_right() -> bool:
-    """Whether "auto" is chosen and takes the bottom-right kernel: not given up, and the frontend loads."""
-    return _CHOICE["kernel"] == "auto" and not _CHOICE.get("bottom_right_off") and attention_cudnn.available()
-
-
-def measured_kernel(device_type: str, dtype: str) -> str:
-    """The slice attention a run's costs depend on, as a cost model records it: on CUDA in fp16 / bf16
-    the kernel choice, "auto" saying whether the bottom-right kernel is in it; "auto" elsewhere (one
-    kernel there)."""
-    if device_type != "cuda" or dtype == "fp32":
-        return "auto"
-    return "auto with cudnn-br" if _auto_has_bottom_right() else _CHOICE["kernel"]
-
-
-def takes_bottom_right(span, head_size: int) -> bool:
-    """Whether a slice runs cuDNN's bottom-right kernel: an unwindowed slice with context, under
-    ``cudnn-br``, or under ``auto`` where l x d >= ``BR_FROM`` and the frontend loads."""
-    if span.windowed or not span.start:
-        return False
-    return _CHOICE["kernel"] == "cudnn-br" or (span.length * head_size >= BR_FROM and _auto_has_bottom_right())
-
-
-def takes_cudnn(span, head_size: int) -> bool:
-    """Whether a slice that does not take the bottom-right kernel runs cuDNN's split (else flash)."""
-    kernel = _CHOICE["kernel"]
-    if span.windowed or kernel == "flash":
-        return False
-    return kernel == "cudnn" or span.length * head_size >= CUDNN_FROM
-
-
-def slice_attention_cuda(query, keys, values, span, scale) -> torch.Tensor:
+def slice_attention_cuda(query, keys, values, span, scale, choice: AttentionChoice) -> torch.Tensor:
     """The slice's attention, (b, l, heads, d): q (b, h, l, d), keys / values (b, g, c + l, d) the
-    slice cache's views."""
-    if takes_bottom_right(span, query.shape[-1]):
+    slice cache's views; ``choice``: the run's kernel, where a failing one's fallback is recorded."""
+    if choice.takes_bottom_right(span, query.shape[-1]):
         try:
             scale = query.shape[-1] ** -0.5 if scale is None else scale
             return attention_cudnn.BottomRightAttention.apply(query, keys, values, scale,
                                                               attention_cudnn.frontend()).transpose(1, 2)
         except Exception as err:  # noqa: BLE001 -- ImportError, cuDNN's own errors: the split runs instead
-            _fall_back(err, "cudnn-br", "cudnn" if _CHOICE["kernel"] == "cudnn-br" else "auto")
-    if takes_cudnn(span, query.shape[-1]):
+            choice.fall_back(err, "cudnn-br", "cudnn" if choice.kernel == "cudnn-br" else "auto")
+    if choice.takes_cudnn(span, query.shape[-1]):
         try:
             return SplitAttention.apply(query, keys, values, span.start, scale, CUDNN).transpose(1, 2)
         except RuntimeError as err:
-            _fall_back(err, "cudnn", "flash")
+            choice.fall_back(err, "cudnn", "flash")
     window = {"window_size_left": span.window - 1} if span.windowed else {}
     return _FLASH(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None,
                   span.length, keys.shape[2], 0.0, True, False, scale=scale, **window)[0]

@@ -1,5 +1,5 @@
 """A slice's attention as one cuDNN kernel with its causal diagonal aligned bottom-right
-(``TP_SLICE_ATTENTION=cudnn-br``, and ``auto``'s choice for slices with context where the package is
+(``terapipe.attention`` "cudnn-br", and "auto"'s choice for slices with context where the package is
 installed: ``attention_cuda`` gives the figures).
 
 PyTorch's cuDNN attention aligns the causal diagonal top-left, so ``attention_cuda`` runs a slice
@@ -12,10 +12,9 @@ nvidia-cudnn-frontend``, the ``pygraph`` API of 1.16) builds ``sdpa(q, k, v, dia
 BOTTOM_RIGHT, diagonal_band_right_bound=0)`` and its backward: one kernel each way over keys [0, c + l),
 with grouped-query K/V as they are (no repeat) and no mask built or saved.
 
-Graphs: one forward and one backward (two for the ``split backward`` spelling of the mask) per
-(shapes, strides, dtype, scale, mask, device), built at first use and kept for the process
-(``CudnnFrontend``). ``capture.UnitGraphs`` runs every unit eagerly before it
-captures, so they are built outside a capture. Each call points the cuDNN handle at torch's current
+Graphs: one forward and one backward per (shapes, strides, dtype, scale, mask, device), built at
+first use and kept for the process (``CudnnFrontend``). ``capture.UnitGraphs`` runs every unit
+eagerly before it captures, so they are built outside a capture. Each call points the cuDNN handle at torch's current
 stream (the capturing one under ``torch.cuda.graph``); the workspace is a torch tensor (from the graph
 pool under capture).
 
@@ -65,31 +64,13 @@ class BottomRightAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-SPELLINGS = ("bottom-right", "top-left band", "split backward")
-
-
 class CudnnFrontend:
-    """Builds, keeps and runs the slice's causal SDPA graphs through the ``cudnn`` module. ``spelling``
-    says how a slice [c, c + l) asks cuDNN for its mask (the same mask each way; which runs faster is
-    the GPU check's to measure, ``benchmarks/_gpu_attention_time.py``):
+    """Builds, keeps and runs the slice's causal SDPA graphs through the ``cudnn`` module: a slice
+    [c, c + l) asks for its mask as the diagonal aligned bottom-right, one graph each way (other
+    spellings of the same mask, for the GPU check to time against it: ``benchmarks/_cudnn_spellings.py``)."""
 
-    - ``bottom-right`` (the default): the diagonal aligned bottom-right, one graph each way. On the
-      H200 its backward on a context-free square took twice PyTorch's top-left kernel's, and 8 slices'
-      backward kernel 6.20 ms against 5.55 through the split (the Llama pair, two layers): as if it
-      computed the masked tiles.
-    - ``top-left band``: the diagonal aligned top-left, widened by c keys (``diagonal_band_right_bound``
-      = c): query i sees keys <= i + c, one graph each way.
-    - ``split backward``: the forward as ``bottom-right``; the backward of a slice with context as two
-      graphs, the context's keys [0, c) unmasked and the slice's own [c, c + l) causal top-left (the
-      mask PyTorch's cuDNN kernel gives, whose backward took half of bottom-right's on the same
-      square), each with the joint output and log-sum-exp (the exact gradients, as
-      ``attention_cuda.SplitAttention``), writing dK / dV into their two ranges of the buffers given
-      (no join); dQ is the two parts' sum."""
-
-    def __init__(self, cudnn, spelling: str = "bottom-right"):
-        if spelling not in SPELLINGS:
-            raise ValueError(f"cuDNN mask spelling {spelling!r}; choose {', '.join(SPELLINGS)}")
-        self.cudnn, self.spelling = cudnn, spelling
+    def __init__(self, cudnn):
+        self.cudnn = cudnn
         self.graphs: dict = {}
         self.handles: dict = {}
 
@@ -100,16 +81,7 @@ class CudnnFrontend:
                                       attn_scale=scale, **mask))
 
     def backward(self, q, k, v, out, dout, stats, dq, dk, dv, scale: float) -> None:
-        start = k.shape[2] - q.shape[2]
-        if self.spelling != "split backward" or not start:
-            self._backward(q, k, v, out, dout, stats, (dq, dk, dv), scale, self._slice_mask(q, k))
-            return
-        dq_context = torch.empty_like(dq)
-        self._backward(q, k[:, :, :start], v[:, :, :start], out, dout, stats,
-                       (dq_context, dk[:, :, :start], dv[:, :, :start]), scale, {})
-        self._backward(q, k[:, :, start:], v[:, :, start:], out, dout, stats,
-                       (dq, dk[:, :, start:], dv[:, :, start:]), scale, self._mask(0, top_left=True))
-        dq.add_(dq_context)
+        self._backward(q, k, v, out, dout, stats, (dq, dk, dv), scale, self._slice_mask(q, k))
 
     def _backward(self, q, k, v, out, dout, stats, grads, scale: float, mask: dict) -> None:
         self._run(("B", scale, *mask.items()), (q, k, v, out, dout, stats), grads,
@@ -117,17 +89,8 @@ class CudnnFrontend:
                                                dO=t[4], stats=t[5], attn_scale=scale, **mask))
 
     def _slice_mask(self, q, k) -> dict:
-        """The mask of the slice whose queries are ``q`` over keys ``k``, as this spelling asks for it
-        whole (``split backward``'s forward: bottom-right)."""
-        return self._mask(k.shape[2] - q.shape[2], top_left=self.spelling == "top-left band")
-
-    def _mask(self, context: int, top_left: bool) -> dict:
-        """Causal aligned bottom-right, or top-left widened by ``context`` keys (0: plain top-left causal,
-        a square's)."""
-        align = self.cudnn.diagonal_alignment
-        if top_left:
-            return {"diagonal_alignment": align.TOP_LEFT, "diagonal_band_right_bound": context}
-        return {"diagonal_alignment": align.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
+        """The mask of the slice whose queries are ``q`` over keys ``k``: causal aligned bottom-right."""
+        return {"diagonal_alignment": self.cudnn.diagonal_alignment.BOTTOM_RIGHT, "diagonal_band_right_bound": 0}
 
     def _run(self, kind: tuple, inputs, outputs, add_op) -> None:
         """Build (once per kind, which names the op, its mask and scale, and layouts) and execute the

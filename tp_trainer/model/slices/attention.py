@@ -18,7 +18,8 @@ for every slice and layer, and saves the copies.
       is l x (c + l) per slice (not per layer).
 The first slice without a window uses the kernel's ``is_causal`` path, no mask.
 
-On CUDA in fp16 / bf16 a slice needs no mask at all (``attention_cuda``: cuDNN or flash kernels).
+On CUDA in fp16 / bf16 a slice needs no mask at all (``attention_cuda``: cuDNN or flash kernels, as
+the ``AttentionChoice`` of the span's ``SliceContext`` says).
 (The split at the context boundary that ``attention_cuda`` uses with cuDNN, causal diagonal +
 unmasked context joined by log-sum-exp, was measured on the CPU too: there the causal path skips
 too little to pay for the join and the concatenation of the K/V gradients.)
@@ -40,7 +41,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from ..cuda.attention_cuda import cuda_path, slice_attention_cuda
+from ..cuda.attention_cuda import AttentionChoice, cuda_path, slice_attention_cuda
 
 ATTN_NAME = "tp_slice_sdpa"
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -207,13 +208,20 @@ def _span_attention(module, query, key, value, span: SliceSpan, dropout, scaling
     if getattr(span.source, "keys_only", False):  # shared_attention: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if span.segments is None and cuda_path(query, key, span, dropout, kwargs):  # packed: the masked path below
-        return slice_attention_cuda(query, key, value, span, scaling), None
+        return slice_attention_cuda(query, key, value, span, scaling, _choice(span)), None
     if fast_path(query, key, span, dropout, kwargs):
         out = _SliceAttention.apply(query, key, value, span, scaling)
         return out.transpose(1, 2).contiguous(), None
     first = span.first_key
     return sdpa_attention_forward(module, query, key[:, :, first:], value[:, :, first:], span.mask(query.device),
                                   dropout, scaling, is_causal, **kwargs)
+
+
+def _choice(span: SliceSpan) -> AttentionChoice:
+    """The run's kernel choice, held by the span's ``SliceContext``; a span without one (a direct
+    call) gets the default, its fallbacks recorded nowhere."""
+    choice = getattr(span.source, "attention", None)
+    return choice if choice is not None else AttentionChoice()
 
 
 AttentionInterface.register(ATTN_NAME, slice_attention_forward)

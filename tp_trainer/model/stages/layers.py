@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cuda.attention_cuda import AttentionChoice
 from ..slices.embedding_grad import slice_embedding
 from ..slices.attention import SliceSpan, redirect
 from ..slices.slice_cache import SequenceKV, SliceCache, slice_attention_mask
@@ -24,13 +25,17 @@ class SliceContext:
     reused by every step (``per_plan``); what a slice's layers share, once per slice (``per_slice``).
     A microbatch of packed examples (``segments``, from its ``SequenceKV``: ``model/slices/segments.py``)
     has its own positions and masks, so those are built once per slice instead.
+    ``attention``: the run's slice attention kernel on CUDA (``attention_cuda.AttentionChoice``, from
+    ``terapipe.attention``), which the stage's attention modules read and a failing kernel's fallback
+    is recorded on; default "auto".
     """
 
     PLAN_CACHE_ENTRIES = 4096            # cleared beyond this (e.g. the planner's profiling grid)
     PLAN_CACHE_MASK_BYTES = 32 * 2 ** 20  # eager masks above this total are built per slice
 
-    def __init__(self, attn_implementation: str = "sdpa"):
+    def __init__(self, attn_implementation: str = "sdpa", attention: AttentionChoice | None = None):
         self.attn_implementation = attn_implementation
+        self.attention = attention if attention is not None else AttentionChoice()
         self.start = 0
         self.length = 0
         self.cache: SliceCache | None = None

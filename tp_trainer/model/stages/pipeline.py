@@ -44,13 +44,14 @@ class TeraPipeModule(PipelineModule):
 
 
 def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, split: StageSplit | None = None,
-                          **kwargs) -> TeraPipeModule:
+                          attention=None, **kwargs) -> TeraPipeModule:
     """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages.
 
-    ``split``: the stage boundaries (e.g. measured by the planner); default the config's estimate."""
+    ``split``: the stage boundaries (e.g. measured by the planner); default the config's estimate.
+    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``; default "auto")."""
     impl = attn_implementation or model.config._attn_implementation or "sdpa"
     adapter = adapter_for(model.config)
-    ctx = SliceContext(impl)
+    ctx = SliceContext(impl, attention)
     split = split or split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
     return TeraPipeModule(split_specs(adapter, model, ctx, split), split, ctx, **kwargs)
 
