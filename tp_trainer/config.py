@@ -84,29 +84,24 @@ class TeraPipeConfig:
     checkpointing (nor memory_limit_gib, whose plan may checkpoint), bf16 gradient buffers under bf16,
     and one example per row (no packed examples). Without CUDA the same units run eagerly in the same
     order (what the CPU tests check). With "slices": "auto" the planner times the blocks replayed from
-    captured graphs too (planner/profile.py, ``StageRunner.captured_run``). Opt-in: on an H200 a whole
-    1-stage engine step of a Llama 7B-width pair at 8192 tokens took 87.0 ms in 8 slices captured against 123.4 ms eager (1 slice:
-    79.2 against 77.4; benchmarks/RESULTS.md), but stages joined by NCCL have not run captured on a
-    GPU, and the needs above rule out ZeRO-1 and checkpointed runs."""
+    captured graphs too (planner/profile.py, ``StageRunner.captured_run``). Opt-in: measured on one
+    GPU, 1 stage (benchmarks/RESULTS.md); stages joined by NCCL have not run captured on a GPU, and
+    the needs above rule out ZeRO-1 and checkpointed runs."""
 
     compile_blocks: object = None
     """A ``torch.compile`` backend ("inductor"; "aot_eager" runs ATen's kernels, exact in float64) for
     each decoder block, compiled around its K/V append and attention, which stay eager
     (model/cuda/compiled_blocks.py): fewer, fused kernels per slice. For GPUs with cuda_graphs, whose
-    capture removes the host time the graph breaks cost; eagerly on 2 CPU cores it costs that time
-    (benchmarks/host_overhead.py's GPT-2: 1218 against 809 us per block and slice). Needs no activation
-    checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default). On an H200, with
-    cuda_graphs, the Llama pair's engine step above took 80.5 ms in 8 slices (72.7 in 1), and 80.7
-    (72.5) with the blocks not compiled but their RMSNorms fused (fused_rms_norm, the default on
-    CUDA): there the compile's gain is the norm's, which inductor fuses too."""
+    capture removes the host time the graph breaks cost; eagerly (CPU) it adds that time. Needs no
+    activation checkpointing (nor memory_limit_gib) and no LoRA. null: off (the default). With
+    cuda_graphs on a GPU its gain over fused_rms_norm alone is within noise (figures:
+    benchmarks/RESULTS.md): inductor fuses the norms too."""
 
     fused_rms_norm: object = "auto"
     """Run HF's RMSNorms (Llama, Mistral, Qwen2, Qwen3) through torch's fused kernels (model/cuda/fused_norm.py)
     instead of HF's ~19 kernels and float32 copies of the activations. "auto" (the default): on CUDA,
     off elsewhere (on a CPU torch runs the op as a composite of ATen ops: no gain); true / false force
-    it. On an H200, Llama 7B-width pair at 8192 tokens: the captured blocks 8-10% faster at 1 and 8
-    slices, 12-13% at 32; a whole 1-stage engine step (blocks captured, bf16) 79.2 -> 72.5 ms at 1
-    slice, 87.0 -> 80.7 ms at 8 (benchmarks/RESULTS.md). The statistics stay float32, the weight is
+    it (figures: benchmarks/RESULTS.md). The statistics stay float32, the weight is
     applied before the one rounding to bf16 / fp16 (HF rounds once more: the fused result is the
     closer to float64); float64 keeps HF's forward."""
 
@@ -138,19 +133,15 @@ class TeraPipeConfig:
     split_blocks: bool = True
     """With "auto" slices: a stage boundary may fall inside a decoder block, between its attention and
     its MLP, where the family allows it (GPT-2, Llama, Qwen2, Mistral; ``model/stages/halves.py``): the
-    profile then times the two halves apart. Measured on 2 CPU ranks (compare.py, seq 8192, 4 x 256):
-    the block cut against whole blocks, paired, 1.09x (1.07-1.10) the throughput; simulated with
-    analytic H100-like costs (benchmarks/block_split_sim.py), 8 stages of a Llama 16 x 2048 with a
-    128k vocabulary, batch 4: 0.92x the whole-block step. false: whole blocks per stage."""
+    profile then times the two halves apart (measured on 2 CPU ranks and simulated for GPUs:
+    benchmarks/RESULTS.md). false: whole blocks per stage."""
 
     share_halves: bool = True
     """With "auto" slices, ``split_blocks``, 2 stages and no memory limit: a half near the boundary may
     also be held by both stages and run by slices (the early slices on the back stage, the later ones
     on the front stage), balancing the stages to a slice's grain: an MLP half
     (``model/stages/shared_half.py``), or with SDPA attention an attention half (``model/stages/shared_attention.py``).
-    Side by side in one process pair (compare.py's default case, GPT-2 6 x 256, seq 1024, 3 runs):
-    the same 5 slices ran 0.492 s a step with h.3's MLP half shared against 0.507 s without (3%;
-    ``benchmarks/results/step_ab/shared_half_pair.md``). false: boundaries between halves only."""
+    Measured side by side: benchmarks/RESULTS.md. false: boundaries between halves only."""
 
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the

@@ -7,26 +7,23 @@ aligned bottom-right. Three kernels do that without a mask:
   which aligns the diagonal bottom-right when the query is shorter than the keys; it takes the
   cache's K/V views as they are (last dimension contiguous), fewer K/V heads than query heads, and a
   sliding window as ``window_size_left`` = window - 1. Its own autograd formula does the backward.
-- ``cudnn``: cuDNN's attention is faster on Hopper for long slices (one H100, Llama 7B-width layers
-  at 8192 tokens: forward 1.8 vs 3.8 ms, backward 5.0 vs 9.7 ms for two layers,
-  ``benchmarks/results/gpu/h100``) but its causal mask is aligned top-left. So the slice's attention
+- ``cudnn``: cuDNN's attention is faster on Hopper for long slices (measured on one H100:
+  benchmarks/RESULTS.md) but its causal mask is aligned top-left. So the slice's attention
   is split at the context boundary (``SplitAttention``): the context part [0, c) unmasked, the own
   part [c, c + l) causal (square, where both alignments agree), joined by their log-sum-exp; each
   part's backward runs with the joint output and log-sum-exp, which gives the exact gradients (as
   ring attention does). The context's K/V gradient and the own part's come out separately.
 Between these two, ``auto`` takes cuDNN for a slice of l tokens with head size d where l x d >= 65536,
 flash below: on the H100, with weight gradients merged and every slice captured, cuDNN was faster
-for 1024-token and 512-token slices of the Llama pair (d 128; 8 slices 51.1 vs 54.6 ms, 16 slices
-57.4 vs 60.7 ms), flash for GPT-2 medium's 512- and 256-token slices (d 64; 4 slices 5.2 vs 5.9 ms,
-8 slices 8.0 vs 9.7 ms), the two even at 1024 x 64 and 256 x 128. A window (Mistral, Qwen2's
+for the Llama pair's 1024- and 512-token slices (d 128), flash for GPT-2 medium's 512- and 256-token
+slices (d 64), the two even at 1024 x 64 and 256 x 128 (figures: benchmarks/RESULTS.md). A window (Mistral, Qwen2's
 sliding layers) takes ``flash``.
 - ``cudnn-br``: one cuDNN kernel with the diagonal aligned bottom-right, through NVIDIA's cuDNN
-  frontend package (``attention_cudnn``): no split, no join. On the H200 (Llama pair, fused norms,
-  captured, W per sequence) 8 slices took 42.09 vs 42.89 ms with the split, 32 slices 56.15 vs 62.36 ms
-  with flash; GPT-2 medium's 256- and 64-token slices (d 64) as flash, within 1%. Only for a slice with
-  context: on a context-free slice (the first, or the whole sequence) the alignments agree, and its
-  backward took twice PyTorch's cuDNN kernel's (8192 tokens, 2 layers: 11.06 vs 5.62 ms; it computes
-  the masked half), so that slice goes the other way.
+  frontend package (``attention_cudnn``): no split, no join; on the H200 faster than the split and
+  flash for the Llama pair, even with flash for GPT-2 medium (benchmarks/RESULTS.md). Only for a slice
+  with context: on a context-free slice (the first, or the whole sequence) the alignments agree, and
+  its backward computes the masked half (twice PyTorch's cuDNN kernel's time), so that slice goes the
+  other way.
 ``auto`` (the default) takes ``cudnn-br`` for a slice with context where the frontend is installed
 and l x d >= 32768 (``BR_FROM``), else cuDNN's split for l x d >= 65536 and flash below, as above.
 The run's ``terapipe.attention`` (auto|flash|cudnn|cudnn-br) chooses, held as an ``AttentionChoice``

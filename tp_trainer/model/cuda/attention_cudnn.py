@@ -5,8 +5,7 @@ installed: ``attention_cuda`` gives the figures).
 PyTorch's cuDNN attention aligns the causal diagonal top-left, so ``attention_cuda`` runs a slice
 [c, c + l) there as two attentions joined by their log-sum-exp (``SplitAttention``): per slice and
 layer two forward and two backward kernels, the join's float32 arithmetic and the K/V gradients'
-concatenation. On the H200 the 8 slices of the Llama 7B-width pair added 1.7 ms of cuDNN attention
-to the whole sequence's, and the K/V gradients' concatenation 0.2 ms (benchmarks/RESULTS.md). cuDNN itself
+concatenation (what that costs on the H200: benchmarks/RESULTS.md). cuDNN itself
 takes the alignment as an attribute of its graph: NVIDIA's Python frontend (``pip install
 nvidia-cudnn-frontend``, the ``pygraph`` API of 1.16) builds ``sdpa(q, k, v, diagonal_alignment=
 BOTTOM_RIGHT, diagonal_band_right_bound=0)`` and its backward: one kernel each way over keys [0, c + l),

@@ -161,12 +161,9 @@ class _SliceAttention(torch.autograd.Function):
 
 def _kernel_dtype(query, backward: bool) -> torch.dtype:
     """The dtype the CPU flash kernel runs in for this slice: fp32 where the reduced-precision kernel is
-    slower than casting up and back (1 thread, AVX512-BF16 CPU, torch 2.13, reduced / fp32 with the casts):
-
-    - fp16: always; its forward costs 1.8-2.7x, its backward 7-10x (head size 32-128, 128-512 queries).
-    - bf16 backward with l x d <= 8192 (l query tokens, head size d): d 32, l 128: 3.3x at context 0,
-      2.1x at c = l, 1.5x at c = 3l; d 64, l 128: 2.3x / 1.6x / 1.2x; above it even or faster (d 64,
-      l 512: 0.9x). The bf16 forward is within 0.9-1.1x either way and keeps bf16.
+    slower than casting up and back (measured on one thread of an AVX512-BF16 CPU, torch 2.13:
+    benchmarks/RESULTS.md, "Measured features"): fp16 always; the bf16 backward with l x d <= 8192
+    (l query tokens, head size d). The bf16 forward keeps bf16.
     The casts cost O((c + l) x d), the kernel O(l x (c + l) x d); gradients are cast back to the input dtype.
     """
     dtype = query.dtype
