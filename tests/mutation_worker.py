@@ -108,11 +108,11 @@ def _drop_adapter_grad():
     from tp_trainer.model.slices import weight_grad
     apply = weight_grad._apply
 
-    def dropped(master, weight, *rest):
+    def dropped(sink, weight, *rest):
         if (os.environ["RANK"] == "1" and tuple(weight.shape) == (4 * 32, lora_cases.R)
                 and rest[-1].shape[0] == ec.MICRO_BATCH * 3):
             return
-        apply(master, weight, *rest)
+        apply(sink, weight, *rest)
     return mock.patch.object(weight_grad, "_apply", dropped)
 
 

@@ -114,7 +114,7 @@ def train(name: str, scheduled_w: bool, cuda_graphs: bool = False) -> dict:
     for step in range(pc.STEPS):
         losses.append(float(engine.train_batch(iter(ec.batches(case, step)))))
         assert grads, f"{name}: the step-0 gradients were not captured"
-    result = {"losses": losses, "grads": grads, "weights_in_b": engine.weight_grads_in_b,
+    result = {"losses": losses, "grads": grads, "weights_in_b": engine.grad_sink.choice.weight_grads_in_b,
               "params": {n: p.detach().float().clone() for n, p in named.items()},
               "passes_in_schedule": counter.in_schedule, "passes_in_step": counter.in_step,
               "hook_calls": counter.hook_calls, "buffer_dtype": counter.buffer_dtype,

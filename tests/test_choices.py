@@ -127,8 +127,8 @@ def test_precision_zero_and_where_w_runs(ds_config, section, expected):
 
 def test_a_stage_without_blocks_defers_its_w_in_a_captured_run():
     choices = RunChoices.of({}, {"seq_len": 16, **GRAPHS})
-    assert choices.stage_weight_grads_in_b(captured=True) == "terapipe.cuda_graphs: captured blocks"
-    assert choices.stage_weight_grads_in_b(captured=False) is None
+    assert choices.grad_sink(captured=True).weight_grads_in_b == "terapipe.cuda_graphs: captured blocks"
+    assert choices.grad_sink(captured=False).weight_grads_in_b is None
 
 
 @pytest.mark.parametrize("setting,on_cuda,on_cpu", [("auto", True, False), (True, True, True), (False, False, False)])

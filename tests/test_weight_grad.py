@@ -145,7 +145,7 @@ def test_predict_costs_w_from_profiled_samples():
 
 
 def test_the_plan_line_says_why_weight_gradients_stay_in_b():
-    from tp_trainer.model.slices.weight_grad import weight_grads_in_b
+    from tp_trainer.model.slices.grad_sink import weight_grads_in_b
     assert weight_grads_in_b(True, 0, False, False) is None
     assert weight_grads_in_b(True, 1, False, False) is None      # ZeRO-1 reads .grad at REDUCE
     assert weight_grads_in_b(False, 0, False, False) == "terapipe.defer_weight_grads false"

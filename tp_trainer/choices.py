@@ -20,7 +20,7 @@ from typing import Callable
 
 from .config import ConfigError, TeraPipeConfig
 from .model.cuda.fused_norm import config_has_fusable_norms
-from .model.slices.weight_grad import weight_grads_in_b
+from .model.slices.grad_sink import GradSinkChoice, grad_sink_choice, weight_grads_in_b
 
 # DeepSpeed's names of a dtype (its ``DtypeEnum``), as this module writes them
 DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
@@ -212,7 +212,7 @@ class RunChoices:
     """``terapipe.defer_weight_grads``: W asked to run apart from B."""
     weight_grads_in_b: str | None
     """None: W deferred (the schedule carries a W per unit). Else why W stays inside B, asked or not
-    (``weight_grad.weight_grads_in_b``'s reason: the flag false, captured blocks, ZeRO-1 with overlap_comm,
+    (``grad_sink.weight_grads_in_b``'s reason: the flag false, captured blocks, ZeRO-1 with overlap_comm,
     ZeRO-1 accumulating in another dtype)."""
     cuda_graphs: bool
     """``terapipe.cuda_graphs``: each stage's decoder blocks run as CUDA graphs per unit."""
@@ -267,11 +267,13 @@ class RunChoices:
             terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe") if terapipe is None else terapipe)
         return cls.decide(RunInputs(terapipe, ds_config, device_type, **run))
 
-    def stage_weight_grads_in_b(self, captured: bool) -> str | None:
-        """``weight_grads_in_b`` for one stage: a stage of a captured run that holds no decoder block
-        (``captured`` false) captures nothing and defers its W as an eager run would."""
-        return weight_grads_in_b(self.defer_weight_grads, self.zero_stage, self.overlap_comm,
-                                 self.separate_accumulation, captured=captured)
+    def grad_sink(self, captured: bool) -> GradSinkChoice:
+        """Where one stage's weight gradients land and why W stays in its B (``model/slices/grad_sink.py``):
+        a stage of a captured run that holds no decoder block (``captured`` false) captures nothing and
+        defers its W as an eager run would."""
+        return grad_sink_choice(bf16_buffers=self.bf16_optimizer, defer_weight_grads=self.defer_weight_grads,
+                                zero_stage=self.zero_stage, overlap_comm=self.overlap_comm,
+                                separate_accumulation=self.separate_accumulation, captured=captured)
 
     @property
     def summary(self) -> str:

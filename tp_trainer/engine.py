@@ -38,7 +38,8 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
 from .choices import RunChoices
-from .model.cuda.captured_blocks import capture_blocks
+from .model.cuda.captured_blocks import capture_blocks, has_blocks
+from .model.slices.grad_sink import CAPTURED_MERGED, GradSink, make_grad_sink
 from .model.slices.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
 from .model.slices.segments import MicrobatchLayouts
 from .model.slices.slice_cache import SequenceKV
@@ -86,18 +87,16 @@ class TeraPipeEngine(PipelineEngine):
         self._slices, self._offsets = plan.slices, plan.offsets   # tuples: no plan.py code per slice
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
         self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
-        self.master_grads = ds_compat.fold_as_made(self)  # bf16: gradients into the optimizer's buffers as made
         if ds_compat.uses_bf16_optimizer(self) != choices.bf16_optimizer:   # choices.py copies DeepSpeed's rule
             raise ValueError(f"RunChoices.bf16_optimizer {choices.bf16_optimizer}, DeepSpeed: {type(self.optimizer)}")
+        self.grad_sink = self._grad_sink()
         # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
-        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=choices.defer_weight_grads)
+        merged = self.grad_sink.kind == CAPTURED_MERGED   # the blocks' W's inside their graphs
+        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=merged, sink=self.grad_sink)
                          if choices.cuda_graphs else None)
-        if self.captured is not None and self.master_grads is not None:
-            self.master_grads.hold_in_grad([])   # bf16 buffers: no hook runs Python inside a graph
-        self.weight_grads_in_b = choices.stage_weight_grads_in_b(captured=self.captured is not None)
         # None: this stage's backward split into B and W, the schedule carrying a W for every unit
-        self.weight_grads = (defer_stage_weight_grads(self.module.forward_funcs, self.master_grads)
-                             if self.weight_grads_in_b is None else None)
+        self.weight_grads = (defer_stage_weight_grads(self.module.forward_funcs, self.grad_sink)
+                             if self.grad_sink.choice.weight_grads_in_b is None else None)
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
                                                      split_weight_grads=self.weight_grads is not None),
@@ -127,12 +126,20 @@ class TeraPipeEngine(PipelineEngine):
             ds_compat.recheck_checkpointable(self.module)
         return labels
 
+    def _grad_sink(self) -> GradSink:
+        """Where this stage's weight gradients land, for the whole run (``model/slices/grad_sink.py``):
+        the run's choice for this stage (``RunChoices.grad_sink``; a stage without decoder blocks
+        captures none), over the bf16 optimizer's buffers where DeepSpeed built it (gradients folded in
+        as made: ``ds_compat.fold_as_made``)."""
+        captured = self.choices.cuda_graphs and has_blocks(self.module.forward_funcs)
+        params = list(self.module.parameters())
+        return make_grad_sink(self.choices.grad_sink(captured), ds_compat.fold_as_made(self),
+                              cut_graphs=lambda: ds_compat.detach_flat_copies(self.optimizer, params))
+
     @property
     def weight_grads_mode(self) -> str:
         """How weight gradients run, for the ``plan:`` log line."""
-        if self.captured is not None and self.captured.merged_weights:
-            return "the blocks' once per sequence inside their captured graphs, the rest in B (terapipe.cuda_graphs)"
-        return "W" if self.weight_grads_in_b is None else f"in B ({self.weight_grads_in_b})"
+        return self.grad_sink.choice.describe()
 
     # ----------------------------------------------------------------------------- the step
     def train_batch(self, data_iter=None):
@@ -296,7 +303,7 @@ class TeraPipeEngine(PipelineEngine):
         if self.captured.graphs is None and torch.is_grad_enabled():
             # no graph made before the capture (the optimizer's flattening, a checkpoint's relink) may
             # hold a parameter's gradient accumulator: it was made on the default stream
-            ds_compat.detach_flat_copies(self.optimizer, self.module.parameters())
+            self.grad_sink.before_capture()
             order = [("F" if type(i) is ForwardSlice else "B", i.microbatch, i.slice)
                      for i in self._train_program.instructions if isinstance(i, (ForwardSlice, BackwardSlice))]
             shapes = [[self._slice_shape(k) for k in range(len(self._slices))]] * self.micro_batches
@@ -362,9 +369,8 @@ class TeraPipeEngine(PipelineEngine):
     def _exec_reduce_tied(self, cmd: ReduceTiedGrads):
         if self.weight_grads is not None and len(self.weight_grads):
             raise RuntimeError(f"{cmd}: weight gradients still deferred; a B has no W before this")
-        if self.master_grads is not None:   # the step's first reduction: held .grads into the buffers
-            self.master_grads.fold_held()
-        ds_compat.reduce_tied_grads(self.module, self.choices.bf16_optimizer)
+        self.grad_sink.fold_before_reduce()   # the step's first reduction: held .grads where they belong
+        ds_compat.reduce_tied_grads(self.module, self.grad_sink.choice.bf16_buffers)
 
     def _exec_reduce(self, cmd: ReduceGrads):
         only_sums = self.choices.bf16_optimizer or self.choices.zero_stage == 0

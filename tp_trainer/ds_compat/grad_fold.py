@@ -15,15 +15,17 @@ Instead, for the whole run (``fold_as_made``, from the engine's constructor):
   (norm weights and biases when W's are scheduled; every weight when they run inside B);
 - the optimizer's per-backward clear is switched off: every ``.grad`` is None already;
 - a scheduled W adds each unit's weight gradient straight into the parameter's buffer
-  (``MasterGrads.buffer``, used by ``model/slices/weight_grad.py``): no bf16 ``.grad`` for it, no fold.
+  (``MasterGrads.buffer``, through the stage's sink, ``model/slices/grad_sink.BufferSink``): no bf16
+  ``.grad`` for it, no fold.
 - with W's scheduled, DeepSpeed's hook comes off every parameter whose gradient autograd never makes
   (the W's) and every parameter whose buffer is in its own dtype (``MasterGrads.hold_in_grad``); autograd
   accumulates the latter's ``.grad`` (norm weights and biases) in C++ and ``fold_held`` adds it into the
-  buffer once, at the step's first reduction. DeepSpeed's hook runs for every parameter after every
-  backward even when the backward made no gradient for it (torch calls post-accumulate hooks then
-  too): ~10 us of Python per parameter per slice, 1.8 ms of stage 0's 60 ms step on GPT-2 4 x 128 with
-  4 slices in bf16 (38 parameters). A buffer in the parameter's dtype adds the same sums in the same
-  order either way (buffer = g1, then + g2, ... each rounded once), so this is exact bit for bit.
+  buffer once, at the step's first reduction (``BufferSink.fold_before_reduce``). DeepSpeed's hook
+  runs for every parameter after every backward even when the backward made no gradient for it (torch
+  calls post-accumulate hooks then too): ~10 us of Python per parameter per slice, 1.8 ms of stage 0's
+  60 ms step on GPT-2 4 x 128 with 4 slices in bf16 (38 parameters). A buffer in the parameter's
+  dtype adds the same sums in the same order either way (buffer = g1, then + g2, ... each rounded
+  once), so this is exact bit for bit.
 
 Passes over all of a stage's parameters that remain, all once per step, in DeepSpeed's step: the
 data-parallel reduction (ReduceGrads, with replicas), the gradient norm and clipping, the update,

@@ -100,7 +100,7 @@ TOUCHES = (
           instance_attr=True, source=(("_update_hp_grad", ("lp._hp_grad = hp_grad",)),)),
     Touch(PIPE_ENGINE, "using_bf16_optimizer", "Set in __init__ when DeepSpeed wrapped the optimizer in "
           "BF16_Optimizer (ds_compat.uses_bf16_optimizer).", "0.6.x (BF16_Optimizer), checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py", "tp_trainer/ds_compat/grad_fold.py", "tp_trainer/engine.py"),
+          ("tp_trainer/ds_compat/__init__.py", "tp_trainer/ds_compat/grad_fold.py", "tests/precision_worker.py"),
           instance_attr=True, source=(("__init__", ("self.using_bf16_optimizer = type(self.optimizer) == BF16_Optimizer",)),)),
     Touch(PIPE_ENGINE, "_exec_backward_pass", "ds_compat.inner_stage_backward mirrors its inner-stage "
           "branch, less the bf16 optimizer's clear_lp_grads / update_hp_grads around the backward (both "

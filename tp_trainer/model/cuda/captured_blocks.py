@@ -21,7 +21,8 @@ What the graphs write stays valid only while its memory does:
 
 Weight gradients (``merged_weights``): with it, the blocks' linear layers keep (x, dy) and add their
 weight gradients with one product per weight over the microbatch's slices, inside the captured
-backward of its first slice (the last to run: ``DeferredWeightGrads.flush_merged``; on one H100 8
+backward of its first slice (the last to run: ``DeferredWeightGrads.flush_merged``, into ``sink``:
+the stage's ``grad_sink.CapturedSink``, the graphs' ``.grad``; on one H100 8
 slices of the Llama pair took 51.1 against 55.7 ms with them in B, GPT-2 medium 9.7 against 11.6 ms,
 benchmarks/results/gpu/h100); without it they are made in B. Either way inside the graphs: no W
 instruction. Nothing per backward may run as Python inside a graph (it would run at capture only),
@@ -38,6 +39,7 @@ from torch import nn
 
 from .capture import UnitGraphs, layer_callbacks
 from ..stages.layers import DecoderBlock
+from ..slices.grad_sink import GradSink
 from ..slices.weight_grad import DeferredWeightGrads, defer, deferrable_linears
 
 
@@ -45,11 +47,13 @@ class CapturedBlocks:
     """Consecutive ``DecoderBlock``s of a stage run as one (called by the first block's ``replay``).
 
     The engine sets ``unit`` = (m, j) before each forward and calls ``prepare`` once, before the
-    first training forward, with the stage's unit order and shapes."""
+    first training forward, with the stage's unit order and shapes. ``sink``: where the merged weight
+    gradients add (default ``.grad``; it must add into the ``.grad`` the graphs hold)."""
 
-    def __init__(self, blocks: list[DecoderBlock], merged_weights: bool = False):
+    def __init__(self, blocks: list[DecoderBlock], merged_weights: bool = False, sink: GradSink | None = None):
         self.blocks = blocks
         self.merged_weights = merged_weights
+        self.sink = sink or GradSink()
         self.ctx = blocks[0].ctx
         self.unit: tuple[int, int] | None = None
         self.graphs: UnitGraphs | None = None   # captured on CUDA, else run eagerly unit by unit
@@ -62,7 +66,7 @@ class CapturedBlocks:
         """Capture (or, without CUDA, set up) every unit of ``order`` (("F" | "B", m, j), the schedule's);
         ``shapes[m][j]`` the input of unit (m, j), ``offsets[j]`` = (start, length)."""
         saved = self.ctx.state()
-        store = DeferredWeightGrads() if self.merged_weights else None
+        store = DeferredWeightGrads(self.sink) if self.merged_weights else None
         if store is not None:
             defer(deferrable_linears([block.inner for block in self.blocks]), store)
         run_forward, begin_backward, end_backward = layer_callbacks(
@@ -123,7 +127,13 @@ class _Replay(torch.autograd.Function):
         return (grad_in.clone() if ctx.needs_input_grad[0] else None), None, None, None
 
 
-def capture_blocks(forward_funcs: list, merged_weights: bool = False) -> CapturedBlocks | None:
+def has_blocks(forward_funcs: list) -> bool:
+    """Whether a stage's layers hold a decoder block (``capture_blocks`` captures them)."""
+    return any(isinstance(f, DecoderBlock) for f in forward_funcs)
+
+
+def capture_blocks(forward_funcs: list, merged_weights: bool = False,
+                   sink: GradSink | None = None) -> CapturedBlocks | None:
     """The run of ``DecoderBlock``s in ``forward_funcs`` as one ``CapturedBlocks``, run by the first
     block's call (the others pass its output on); None when the stage has no decoder block.
     ``forward_funcs`` is left as it is (parameter names, DeepSpeed's checkpoint files unchanged)."""
@@ -132,7 +142,7 @@ def capture_blocks(forward_funcs: list, merged_weights: bool = False) -> Capture
         return None
     if indices != list(range(indices[0], indices[-1] + 1)):
         raise ValueError("terapipe.cuda_graphs: the stage's decoder blocks are not consecutive")
-    blocks = CapturedBlocks([forward_funcs[i] for i in indices], merged_weights)
+    blocks = CapturedBlocks([forward_funcs[i] for i in indices], merged_weights, sink)
     first, *rest = blocks.blocks
     first.replay = blocks
     for block in rest:

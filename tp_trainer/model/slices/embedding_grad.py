@@ -14,9 +14,10 @@ slices. The result is the same sum in another order.
 
 With the stage's weight gradients deferred (``weight_grad.defer_embedding`` gives the table a
 ``deferred_weight_grads`` store), each slice's backward gives no weight gradient at all: it keeps
-its (ids, rows) under its unit, and the unit's ``WeightGrad`` adds them into ``weight.grad`` with
-one ``index_add_`` (no table-sized temporary per slice or per sequence). The embedding's backward is
-all weight gradient, so on the first stage this takes it out of the backward entirely.
+its (ids, rows) under its unit, and the unit's ``WeightGrad`` adds them into the stage's sink
+(``grad_sink.GradSink.add_rows``: ``weight.grad`` or the bf16 optimizer's buffer) with one
+``index_add_`` (no table-sized temporary per slice or per sequence). The embedding's backward is all
+weight gradient, so on the first stage this takes it out of the backward entirely.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ the previous stage is waiting for, and the weight gradient dW = x^T dy (+ db = s
 the optimizer needs. An embedding lookup's backward is all weight gradient (rows added into the
 table). With ``DeferredWeightGrads`` enabled on a stage, the deferred layers compute only dx
 during a unit's ``BackwardSlice`` and keep (x, dy) under that unit; the schedule's ``WeightGrad``
-of the unit then calls ``flush(unit)``, which adds the unit's dW (and db) into ``.grad`` and frees
-the pair. The schedule places W where the stage would otherwise wait (``schedule.orders
-.place_weight_grads``), so the previous stage gets its input gradients sooner.
+of the unit then calls ``flush(unit)``, which adds the unit's dW (and db) into the stage's sink
+(``grad_sink.py``: ``.grad``, or the bf16 optimizer's buffers) and frees the pair. The schedule
+places W where the stage would otherwise wait (``schedule.orders.place_weight_grads``), so the
+previous stage gets its input gradients sooner.
 
 Deferred: the Conv1D / nn.Linear modules of the stage's decoder blocks, of an untied LM head and of
 projections (``defer``), the LM head tied to the token embedding (``deferred_linear``, called by
@@ -35,6 +36,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from .embedding_grad import sliceable
+from .grad_sink import GradSink
 from ..stages.layers import DecoderBlock, LearnedPositions, LMHead, Projection, TokenEmbedding, tied_lm_head
 
 
@@ -42,15 +44,14 @@ class DeferredWeightGrads:
     """Per unit, the (x, dy) pairs and embedding rows kept by one stage's deferred layers.
 
     ``unit`` is the unit whose backward is running (set by the engine; None outside a schedule,
-    e.g. while profiling): what ``keep`` files the pairs under.
+    e.g. while profiling): what ``keep`` files the pairs under. ``sink``: where the flushes add
+    (``grad_sink.GradSink``; default ``.grad``).
     """
 
-    def __init__(self, master=None):
+    def __init__(self, sink: GradSink | None = None):
         self.unit = None
         self.kept: dict = {}  # unit -> [(weight, bias, weight is (in, out), x, dy) | (weight, ids, rows)]
-        # where W adds: each parameter's master-gradient buffer under DeepSpeed's bf16 optimizer
-        # (ds_compat.grad_fold.MasterGrads), else its .grad
-        self.master = master
+        self.sink = sink or GradSink()
 
     def keep(self, weight: nn.Parameter, bias, in_out: bool, x: torch.Tensor, dy: torch.Tensor) -> None:
         """Keep a linear layer's input x (tokens, in) and output gradient dy (tokens, out)."""
@@ -61,14 +62,14 @@ class DeferredWeightGrads:
         self.kept.setdefault(self.unit, []).append((weight, ids, rows))
 
     def flush(self, unit=None) -> None:
-        """Add the kept weight gradients of ``unit`` (None: of every unit) into ``.grad``; free them."""
+        """Add the kept weight gradients of ``unit`` (None: of every unit) into the sink; free them."""
         units = list(self.kept) if unit is None else [unit]
         for key in units:
             for entry in self.kept.pop(key, ()):
-                _apply(self.master, *entry)
+                _apply(self.sink, *entry)
 
     def flush_merged(self) -> None:
-        """Add the weight gradients of every kept unit into ``.grad`` with one product per weight over
+        """Add the weight gradients of every kept unit into the sink with one product per weight over
         all their tokens (the units' x and dy concatenated), then free them. Opt-in: on a CPU one
         product per unit was as fast; on a GPU a product per slice reads and writes the whole weight
         gradient every slice (O(parameters) memory traffic per slice), one per sequence does it once,
@@ -82,7 +83,7 @@ class DeferredWeightGrads:
         joins = _Joins([e[end] for e in entries] for entries in merged.values() for end in (-2, -1))
         for key in list(merged):
             entries = merged.pop(key)   # its pieces are freed once applied
-            _apply(self.master, *entries[0][:-2], joins.take([e[-2] for e in entries]),
+            _apply(self.sink, *entries[0][:-2], joins.take([e[-2] for e in entries]),
                    joins.take([e[-1] for e in entries]))
 
     def __len__(self) -> int:
@@ -118,34 +119,15 @@ def _pieces_key(pieces: list[torch.Tensor]) -> tuple:
 
 
 @torch.no_grad()
-def _apply(master, weight, *rest) -> None:
-    """Add one kept entry's weight (and bias) gradient where ``master`` says (see ``DeferredWeightGrads``)."""
+def _apply(sink: GradSink, weight, *rest) -> None:
+    """Add one kept entry's weight (and bias) gradient into ``sink``."""
     if len(rest) == 2:  # embedding rows
-        ids, rows = rest
-        target = _target(master, weight)
-        target.index_add_(0, ids, rows.to(target.dtype))
+        sink.add_rows(weight, *rest)
         return
     bias, in_out, x, dy = rest
-    a, b = (x.t(), dy) if in_out else (dy.t(), x)
-    if master is None and weight.grad is None:
-        weight.grad = (a @ b).to(weight.dtype)   # the first unit: no zeroed tensor to add into
-    else:
-        target = _target(master, weight)
-        if target.dtype == a.dtype:
-            target.addmm_(a, b)
-        else:  # a bf16 product into an fp32 buffer, as DeepSpeed folds a bf16 .grad
-            target.add_(a @ b)
+    sink.add_product(weight, *((x.t(), dy) if in_out else (dy.t(), x)))
     if bias is not None:
-        _target(master, bias).add_(dy.sum(0))
-
-
-def _target(master, param: nn.Parameter) -> torch.Tensor:
-    """What ``param``'s weight gradient accumulates into: its master buffer, or ``.grad`` (zeros if unset)."""
-    if master is not None:
-        return master.buffer(param)
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
+        sink.add_sum(bias, dy)
 
 
 class _InputGradOnly(torch.autograd.Function):
@@ -232,14 +214,12 @@ def defer_stage(funcs: list, store: DeferredWeightGrads) -> list[nn.Module]:
     return touched
 
 
-def defer_stage_weight_grads(funcs: list, master_grads=None) -> DeferredWeightGrads:
+def defer_stage_weight_grads(funcs: list, sink: GradSink | None = None) -> DeferredWeightGrads:
     """Split a stage's backward into B and W (``defer_stage``: every linear layer, the tied or untied
-    head, the embeddings); its W's add into ``master_grads`` (``ds_compat.grad_fold``, bf16) where
-    given, whose parameters' gradients then stay in ``.grad``: no DeepSpeed hook per parameter and slice."""
-    store = DeferredWeightGrads(master_grads)
-    deferred = defer_stage(funcs, store)
-    if master_grads is not None:
-        master_grads.hold_in_grad(params_made_by_w(deferred))
+    head, the embeddings); its W's add into ``sink`` (default ``.grad``), told which parameters only
+    the W's make (``GradSink.hold``: under the bf16 optimizer no DeepSpeed hook per parameter and slice)."""
+    store = DeferredWeightGrads(sink)
+    store.sink.hold(params_made_by_w(defer_stage(funcs, store)))
     return store
 
 
@@ -264,20 +244,3 @@ def restore(modules) -> None:
         module.__dict__.pop("forward", None)
         module.__dict__.pop("deferred_weight_grads", None)
 
-
-def weight_grads_in_b(asked: bool, zero_stage: int, overlap_comm: bool, separate_accumulation: bool,
-                      captured: bool = False) -> str | None:
-    """Why a stage's weight gradients stay in its backward (B), or None where they run as W's.
-    DeepSpeed must read each gradient after the step's last backward, not move it during each one:
-    fp32, fp16 and bf16 with ZeRO stage 0, or ZeRO 1 without overlap_comm (their optimizers read
-    ``.grad`` at ReduceGrads / the step; under the bf16 optimizer W adds into its gradient buffers,
-    ``ds_compat.grad_fold``). ``separate_accumulation``: a ZeRO optimizer (not the bf16 one)
-    accumulating in another dtype than the model's moves ``.grad`` in hooks
-    (``terapipe.defer_weight_grads`` in config.py says why). ``captured``: the blocks run as CUDA graphs
-    (``terapipe.cuda_graphs``), whose backward adds the weight gradients itself."""
-    reasons = [(not asked, "terapipe.defer_weight_grads false"),
-               (captured, "terapipe.cuda_graphs: captured blocks"),
-               (zero_stage > 1, f"ZeRO stage {zero_stage} reduces gradients in backward hooks"),
-               (zero_stage == 1 and overlap_comm, "ZeRO-1 with overlap_comm reduces gradients in backward hooks"),
-               (separate_accumulation, "ZeRO-1 accumulating in another dtype moves gradients in backward hooks")]
-    return next((why for applies, why in reasons if applies), None)
