@@ -126,10 +126,10 @@ needs_launcher = pytest.mark.requires_command("deepspeed")  # conftest: a failur
 
 
 # The project files one steady-state training step runs, outside the model's layers (tp_trainer/model/):
-# the loop, the engine, the transfers, the DeepSpeed seam, the data and the memory hooks. At most 6;
-# docs/ARCHITECTURE.md lists them.
+# the loop, the engine, the transfers, the DeepSpeed seam and the data (the memory hooks only under
+# --memory_report, off by default). At most 6; docs/ARCHITECTURE.md lists them.
 STEP_FILES = {"tp_trainer/run.py", "tp_trainer/engine.py", "tp_trainer/p2p.py", "tp_trainer/ds_compat/__init__.py",
-              "tp_trainer/data/packing.py", "tp_trainer/memory.py"}
+              "tp_trainer/data/packing.py"}
 
 
 @needs_launcher

@@ -87,9 +87,10 @@ class RunArgs:
     timeline: str | None = _flag(None, "PNG: measured Gantt chart of the last step beside the simulated one",
                                  "training")
     memory_report: bool = _flag(
-        True, "count the tensors autograd saves for backward (a saved-tensor hook on every one, every step) and "
-        "report their peak with the memory figures at each evaluation (default on); --no-memory_report: no hook, "
-        "the report says they were not tracked", "training", action=_OnOff)
+        False, "count the tensors autograd saves for backward (a saved-tensor hook on every one, every step) and "
+        "report their peak with the memory figures at each evaluation; off by default (it costs the main job "
+        "more than 1%% of a step: benchmarks/RESULTS.md), the report then says they were not tracked",
+        "training", action=_OnOff)
     seed: int = _flag(1234, None, "training")
     output_dir: str = _flag("runs/latest", "where the plan and logs are written", "training")
 
