@@ -270,5 +270,5 @@ def memory_report(device, tracker: ActivationTracker | None = None, budget: dict
     if tracker is not None:
         parts.append(f"peak saved activations {tracker.peak / 2**20:.1f} MiB (outside activation checkpoints)")
     else:
-        parts.append("saved activations not tracked (--no-memory_report)")
+        parts.append("saved activations not tracked (--memory_report tracks them)")
     return ", ".join(parts)
