@@ -20,7 +20,7 @@ from typing import Callable
 
 from .config import ConfigError, TeraPipeConfig
 from .model.cuda.fused_norm import config_has_fusable_norms
-from .model.slices.grad_sink import GradSinkChoice, grad_sink_choice, weight_grads_in_b
+from .model.slices.grad_sink import CAPTURED_MERGED, GradSinkChoice, grad_sink_choice, weight_grads_in_b
 
 # DeepSpeed's names of a dtype (its ``DtypeEnum``), as this module writes them
 DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
@@ -122,8 +122,7 @@ def _memory_limit_message(inputs: RunInputs) -> str:
 
 def _hooks_fp32_buffers(inputs: RunInputs) -> bool:
     """bf16 with fp32 gradient buffers: the bf16 optimizer folds each gradient in a Python hook."""
-    bf16 = any(_enabled(inputs.ds_config, key) for key in ("bf16", "bfloat16"))
-    return bf16 and accumulation_name(inputs.ds_config) == "fp32"
+    return compute_dtype_name(inputs.ds_config) == "bf16" and accumulation_name(inputs.ds_config) == "fp32"
 
 
 RULES: tuple[Rule, ...] = (
@@ -293,7 +292,7 @@ class RunChoices:
         """How W runs: "W deferred", or "W in B (why)", the reason said where W was asked for too."""
         if self.weight_grads_in_b is None:
             return "W deferred"
-        if self.cuda_graphs and self.defer_weight_grads:
+        if self.grad_sink(self.cuda_graphs).kind == CAPTURED_MERGED:
             return "W of the blocks once per sequence inside their captured graphs, the rest in B"
         return f"W in B ({self.weight_grads_in_b})"
 

@@ -88,7 +88,7 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     local_rank, _ = local_ranks()
     device = get_accelerator().device_name(local_rank)
     baseline_mb = device_used_mb(device)  # the memory limit counts from here
-    attention = AttentionChoice(spec.choices.attention)   # the profile's and the stage's slices read it
+    attention = AttentionChoice(choices.attention)   # the profile's and the stage's slices read it
     layout, report = (together("planning the stages and slices", measured_layout, spec, model.config, device,
                                baseline_mb, attention) if terapipe.auto and split is None else (None, None))
     split = layout.split if layout else split
