@@ -11,6 +11,7 @@ gradient and parameter); fp32 is no farther from the float64 HF run than 10x the
 distance (with a floor of a few fp32 ulps), which holds on any CPU's kernels.
 """
 
+import functools
 import os
 
 import exactness_cases as ec
@@ -42,10 +43,18 @@ def exported(pipeline_results, case, key) -> dict:
 
 
 def reference(case, dtype) -> dict:
-    """The plain HF model trained on the whole global batch (harness.reference: AdamW, clipping)."""
-    if case["lora"] is not None:  # HF + PEFT (test_lora.py checks the rest of a LoRA case)
+    """The plain HF model trained on the whole global batch (harness.reference: AdamW, clipping).
+    It depends on the head (tied or not), the global batch (microbatches x replicas) and the LoRA
+    modules only, not on the layout: cases that share those share it (computed once per session)."""
+    return _reference(case["tied"], case["microbatches"], case["replicas"], case["lora"], dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(tied: bool, microbatches: int, replicas: int, lora: tuple | None, dtype: torch.dtype) -> dict:
+    case = {"tied": tied, "microbatches": microbatches, "replicas": replicas, "lora": lora}
+    if lora is not None:  # HF + PEFT (test_lora.py checks the rest of a LoRA case)
         return lora_cases.reference(case, dtype)
-    return harness.reference(ec.tiny_model(case["tied"], dtype=dtype), lambda step: ec.batches(case, step),
+    return harness.reference(ec.tiny_model(tied, dtype=dtype), lambda step: ec.batches(case, step),
                              ec.STEPS, ec.batches(case, ec.EVAL_STEP))
 
 
