@@ -6,6 +6,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+
+import rank_zygote
 
 from tp_trainer.ds_compat.shm import remove_leftovers
 
@@ -27,15 +31,24 @@ def free_port() -> int:
 def start_ranks(script: str, world_size: int, args: list[str], timeout: float = 600, env: dict | None = None,
                 cwd: str | None = None) -> list[tuple[int, str]]:
     """Run ``python script args`` as ``world_size`` ranks (in ``cwd``); return each rank's (exit code,
-    output), whatever the codes. ``env``: more environment variables for every rank."""
+    output), whatever the codes. ``env``: more environment variables for every rank. Ranks are
+    forked from tests/rank_zygote.py's pre-imported Python where their environment allows
+    (``rank_zygote.usable``), else started as fresh interpreters."""
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=cwd))
+    rank_envs = [dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})) for rank in range(world_size)]
+    start = _forked if rank_zygote.usable(rank_envs[0], world_size) else _fresh
+    try:
+        return start(script, args, rank_envs, timeout, cwd)
+    finally:
+        remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers in /dev/shm (RAM), ~66 MiB a rank
+
+
+def _fresh(script: str, args: list[str], rank_envs: list[dict], timeout: float, cwd: str | None):
+    """The ranks as fresh interpreters: [(exit code, output)]."""
+    procs = [subprocess.Popen([sys.executable, script, *args], env=rank_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=cwd) for rank_env in rank_envs]
     outputs = []
     try:
         for proc in procs:
@@ -46,8 +59,34 @@ def start_ranks(script: str, world_size: int, args: list[str], timeout: float = 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        remove_leftovers(port)  # DeepSpeed's CPU all-reduce buffers in /dev/shm (RAM), ~66 MiB a rank
     return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
+
+
+def _forked(script: str, args: list[str], rank_envs: list[dict], timeout: float, cwd: str | None):
+    """The ranks forked from the zygotes, each writing into a file of a temporary folder: [(exit
+    code, output)]; ``subprocess.TimeoutExpired`` once ``timeout`` has passed with a rank running."""
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        paths = [os.path.join(folder, f"rank{rank}.out") for rank in range(len(rank_envs))]
+        ranks, codes = [], []
+        rank_zygote.prepare(len(rank_envs))
+        try:
+            for rank, (rank_env, path) in enumerate(zip(rank_envs, paths)):
+                ranks.append(rank_zygote.start(rank, script, args, rank_env, cwd, path))
+            deadline = time.monotonic() + timeout
+            for rank in ranks:
+                codes.append(rank.wait(max(0.0, deadline - time.monotonic())))
+                if codes[-1] is None:
+                    raise subprocess.TimeoutExpired([script, *args], timeout)
+        finally:
+            for rank in ranks:
+                if rank.wait(0) is None:
+                    rank.kill()
+                    rank.wait(60)
+        outputs = []
+        for path in paths:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                outputs.append(handle.read())
+    return list(zip(codes, outputs))
 
 
 def run_ranks(script: str, world_size: int, args: list[str], timeout: float = 600,
