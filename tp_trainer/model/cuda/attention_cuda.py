@@ -191,18 +191,36 @@ class AttentionChoice:
             return "auto"
         return "auto with cudnn-br" if self.auto_has_bottom_right() else self.kernel
 
+    def ladder(self, context: bool) -> list[tuple[str, int]]:
+        """The kernels an unwindowed slice (with ``context`` or not) takes, as (kernel, least l x d) in
+        order: the first whose least size the slice reaches; flash last. The one statement of the rule:
+        ``pick`` runs it, ``kinds`` says it."""
+        steps = []
+        if context and self.kernel == "cudnn-br":
+            steps.append(("cudnn-br", 0))
+        elif context and self.auto_has_bottom_right():
+            steps.append(("cudnn-br", BR_FROM))
+        if self.kernel == "cudnn":
+            steps.append(("cudnn", 0))
+        elif self.kernel != "flash":
+            steps.append(("cudnn", CUDNN_FROM))
+        return steps + [("flash", 0)]
+
+    def pick(self, span, head_size: int) -> str:
+        """The kernel a slice runs now: flash for a window, else the first step of ``ladder`` its
+        l x d reaches."""
+        if span.windowed:
+            return "flash"
+        size = span.length * head_size
+        return next(kernel for kernel, least in self.ladder(bool(span.start)) if size >= least)
+
     def takes_bottom_right(self, span, head_size: int) -> bool:
-        """Whether a slice runs cuDNN's bottom-right kernel: an unwindowed slice with context, under
-        ``cudnn-br``, or under ``auto`` where l x d >= ``BR_FROM`` and the frontend loads."""
-        if span.windowed or not span.start:
-            return False
-        return self.kernel == "cudnn-br" or (span.length * head_size >= BR_FROM and self.auto_has_bottom_right())
+        """Whether a slice runs cuDNN's bottom-right kernel (only a slice with context can)."""
+        return self.pick(span, head_size) == "cudnn-br"
 
     def takes_cudnn(self, span, head_size: int) -> bool:
-        """Whether a slice that does not take the bottom-right kernel runs cuDNN's split (else flash)."""
-        if span.windowed or self.kernel == "flash":
-            return False
-        return self.kernel == "cudnn" or span.length * head_size >= CUDNN_FROM
+        """Whether a slice runs cuDNN's split (asked after the bottom-right kernel was not taken)."""
+        return self.pick(span, head_size) == "cudnn"
 
     def kinds(self, device_type: str, dtype: str) -> dict[str, str]:
         """The kernel each kind of slice runs through SDPA attention modules on ``device_type`` in
@@ -215,16 +233,13 @@ class AttentionChoice:
                 "window": "flash", "packed slice": "HF's SDPA"}
 
     def _by_size(self, context: bool) -> str:
+        words = {"cudnn-br": "cuDNN bottom-right", "cudnn": "cuDNN split" if context else "cuDNN", "flash": "flash"}
         steps = []
-        if context and self.kernel == "cudnn-br":
-            return "cuDNN bottom-right"
-        if context and self.auto_has_bottom_right():
-            steps.append(f"cuDNN bottom-right from l x d >= {BR_FROM}")
-        if self.kernel == "cudnn":
-            return "cuDNN split" if context else "cuDNN"
-        if self.kernel != "flash":
-            steps.append(f"cuDNN{' split' if context else ''} from l x d >= {CUDNN_FROM}")
-        return ", else ".join(steps + ["flash"])
+        for kernel, least in self.ladder(context):
+            if not least:
+                return ", else ".join(steps + [words[kernel]])
+            steps.append(f"{words[kernel]} from l x d >= {least}")
+        raise AssertionError("a ladder ends with a step of least size 0")
 
     def describe(self, device_type: str, dtype: str) -> str:
         """``kinds`` as the plan line says it: "auto (context-free slice: ...; ...)"."""
