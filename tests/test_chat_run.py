@@ -82,8 +82,8 @@ def test_chat_lora_run_learns_the_answers(run):
 
 def scored_counts(log: str) -> dict:
     """{split: the scored labels the run's data line reports}."""
-    return {split: int(n.replace(",", "")) for split, n in re.findall(r"data: (train|validation)\b.*?([\d,]+) scored labels",
-                                                                     log)}
+    lines = re.findall(r"data: (train|validation)\b.*?([\d,]+) scored labels", log)
+    return {split: int(n.replace(",", "")) for split, n in lines}
 
 
 def test_the_run_scores_the_answers_only(run):

@@ -73,7 +73,8 @@ def expected_positions(tokenizer, ids: list[int], pieces: list[tuple[str, bool]]
 def assert_scored(tokenizer, source: str, messages: list, pieces: list[tuple[str, bool]]) -> list[int]:
     ids, positions = scored(tokenizer, source, messages)
     want = expected_positions(tokenizer, ids, pieces)
-    assert positions == want, ([tokenizer.decode([ids[k]]) for k in positions], [tokenizer.decode([ids[k]]) for k in want])
+    pieces_of = [tokenizer.decode([ids[k]]) for k in positions], [tokenizer.decode([ids[k]]) for k in want]
+    assert positions == want, pieces_of
     assert positions, "a case must score something"
     return positions
 
@@ -111,7 +112,8 @@ def chatml(role: str, text: str) -> str:
 def test_chatml_inserts_its_default_system_prompt_and_scores_the_replies(tokenizer):
     """Qwen2's template puts its default system prompt first where the row has none."""
     messages = chat("Hi?", "Hello.", "More?", "No.")
-    pieces = [prompt(chatml("system", "You are a helpful assistant.") + chatml("user", "Hi?") + "<|im_start|>assistant\n"),
+    pieces = [prompt(chatml("system", "You are a helpful assistant.") + chatml("user", "Hi?")
+                     + "<|im_start|>assistant\n"),
               answer("Hello.<|im_end|>"),
               prompt("\n" + chatml("user", "More?") + "<|im_start|>assistant\n"),
               answer("No.<|im_end|>"), prompt("\n")]
@@ -190,6 +192,20 @@ def test_turn_starting_inside_a_token_is_refused(tokenizer):
     with pytest.raises(DataConfigError, match=r"row 0 of .*: the assistant turn messages\[1\] starts inside a token "
                                               r"\(character 21\)\. Wrap .*or pass --train_on_prompt"):
         scored(tokenizer, source, chat("Hi?", "Hello."))
+
+
+def test_turn_ending_inside_a_token_is_refused(tokenizer):
+    """No end-of-turn token, and the next turn's text joins the reply's last word."""
+    source = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}{{ '\\n' }}{% endif %}{% endfor %}"
+    with pytest.raises(DataConfigError, match=r"row 0 of .*: the assistant turn messages\[1\] ends inside a token "
+                                              r"\(character 5\) and no end-of-turn token closes it\. Wrap"):
+        scored(tokenizer, source, chat("Hi", "Yo", "ur"))
+
+
+def test_conversation_opening_with_the_assistant_is_refused(tokenizer):
+    with pytest.raises(DataConfigError, match=r"row 0 of .*: the conversation opens with the assistant turn "
+                                              r"messages\[0\], so no prompt before it can be rendered\. Wrap"):
+        scored(tokenizer, template("qwen2_chatml"), [{"role": "assistant", "content": "Hi"}, *chat("Yo")])
 
 
 def test_template_that_fails_on_a_row_names_the_row(mistral_tokenizer):

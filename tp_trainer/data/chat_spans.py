@@ -17,7 +17,8 @@ then be a token boundary). Nothing of the prompts is scored.
 Refused naming the row, the reason and the fix (generation markers in --chat_template, or
 --train_on_prompt): a template that is not prefix-stable (one that moves the system prompt onto the
 last user turn, drops earlier replies' reasoning, or closes only the conversation's last turn), a
-generation prompt that is not how the template starts an assistant turn, a turn edge inside a token.
+generation prompt that is not how the template starts an assistant turn, a turn edge inside a token, a
+conversation that opens with an assistant turn.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def scored_chat(tokenizer, template: str, messages: list, row: int, where: str,
 
 def _turn(tokenizer, template: str, messages: list, i: int, whole: str, row: int, where: str):
     """(i, where the turn's text starts, where its reply's text ends, where the turn ends) in ``whole``."""
+    if i == 0:
+        raise refusal(row, where, "the conversation opens with the assistant turn messages[0], so no prompt "
+                                  "before it can be rendered")
     prompt = render(tokenizer, template, messages[:i], True, row, where)
     turn = render(tokenizer, template, messages[:i + 1], False, row, where)
     if not turn.startswith(prompt):
