@@ -14,11 +14,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from small_run import REPO, small_config
 
 from test_launch import needs_launcher
+
+CHAT_TEMPLATES = Path(__file__).with_name("chat_templates")
 
 CASES = [  # id, flags, substrings of the one error line, the rank that reports (None: any)
     ("text_column_missing", ["--train_file", "{content.jsonl}"],
@@ -63,6 +66,17 @@ CASES = [  # id, flags, substrings of the one error line, the rank that reports 
      ["row 3 of the train data", "more than --block_size 64", "pass --long_examples split"], 0),
     ("messages_streamed", ["--train_file", "{chat.jsonl}", "--packing", "stream"],
      ["--packing stream", "use --packing examples"], 0),
+    # chat templates without generation markers (tests/chat_templates/; their assistant turns found from the rendering)
+    ("messages_template_not_prefix_stable", ["--train_file", "{system_prompt.jsonl}", "--chat_template",
+                                             "{mistral_system_last.jinja}"],
+     ["row 3 of the train data of file:{system_prompt.jsonl}: the chat template has no", "not prefix-stable",
+      "(--chat_template), or pass --train_on_prompt"], 0),
+    ("messages_turn_inside_a_token", ["--train_file", "{chat.jsonl}", "--chat_template", "{space_prompt.jinja}"],
+     ["row 0 of the train data", "the assistant turn messages[1] starts inside a token", "--train_on_prompt"], 0),
+    ("messages_template_fails_on_a_row", ["--train_file", "{two_users.jsonl}", "--chat_template",
+                                          "{mistral_inst.jinja}"],
+     ["row 3 of the train data", "the chat template failed on this row (TemplateError: After the optional system "
+      "message, conversation roles must alternate", "fix the row (or drop it)"], 0),
 ]
 TRAINS = ("validation_file_alone", ["--validation_file", "{val.txt}", "--eval_batches", "1", "--max_steps", "1",
                                     "--eval_interval", "1"])
@@ -105,7 +119,10 @@ def _instruction_files(tmp) -> dict:
            "no_content.jsonl": {"messages": [{"role": "user"}, {"role": "assistant", "content": "hello"}]},
            "no_completion.jsonl": {"prompt": "what is 3?", "completion": None},
            "long.jsonl": {"prompt": "tell me everything", "completion": " and" * 100},
-           "chat.jsonl": chat(3)}
+           "chat.jsonl": chat(3),
+           "system_prompt.jsonl": {"messages": [{"role": "system", "content": "be brief"}, *chat(3)["messages"],
+                                                *chat(4)["messages"]]},   # two user turns: it moves the system prompt
+           "two_users.jsonl": {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "hello"}]}}
     files = {}
     for name, row in bad.items():
         good = ({"prompt": f"what is {i}?", "completion": f" {i}"} if "completion" in row else chat(i)
@@ -113,6 +130,11 @@ def _instruction_files(tmp) -> dict:
         rows = [row if i == 3 else good_row for i, good_row in enumerate(good)]
         (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         files[name] = tmp / name
+    for name in ("mistral_system_last.jinja", "mistral_inst.jinja"):
+        files[name] = CHAT_TEMPLATES / name
+    files["space_prompt.jinja"] = tmp / "space_prompt.jinja"   # its generation prompt ends with a space
+    files["space_prompt.jinja"].write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                           "{% if add_generation_prompt %}assistant: {% endif %}")
     return files
 
 
@@ -180,6 +202,7 @@ def shared_launch(inputs, tmp_path_factory):
     cmd = deepspeed_command("tests/bad_input_worker.py", str(results / "cases.json"), str(results))
     proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert not error_lines(proc.stdout + proc.stderr), (proc.stdout + proc.stderr)[-5000:]  # all in the cases' logs
     return results, outs
 
 
@@ -202,7 +225,7 @@ def assert_clean_stop(text: str, expected: list[str], out: str) -> str:
     for piece in expected:
         assert piece in errors[0], (piece, errors[0])
     assert "Traceback" not in text and "Connection closed" not in text, text[-4000:]
-    assert "{" not in errors[0].split("error:", 1)[1], errors[0]  # no unfilled placeholder
+    assert not re.search(r"\{[^{}%\s]+\}", errors[0].split("error:", 1)[1]), errors[0]  # no unfilled placeholder
     assert not os.path.exists(out), "nothing may be written on bad input"
     return errors[0]
 
@@ -228,10 +251,13 @@ def test_validation_file_without_train_file(shared_launch, inputs):
 
 
 @needs_launcher
-def test_launcher_exit_code_and_output(inputs, tmp_path):
-    """The deepspeed command itself, for the case only rank 1 meets (a tensor of its stage is missing):
-    exit code 2, one error line, no traceback or "Connection closed" while the ranks exit."""
-    _, flags, expected, reporter = next(c for c in CASES if c[0] == "stage1_tensor_missing")
+@pytest.mark.parametrize("case", ["stage1_tensor_missing", "messages_template_not_prefix_stable"])
+def test_launcher_exit_code_and_output(inputs, tmp_path, case):
+    """The deepspeed command itself, for the case only rank 1 meets (a tensor of its stage is missing) and
+    for a messages row refused while rank 0 tokenizes the data: exit code 2, one error line in all the
+    command prints (the ranks' output and the launcher's), no traceback or "Connection closed" while the
+    ranks exit."""
+    _, flags, expected, reporter = next(c for c in CASES if c[0] == case)
     out = str(tmp_path / "out")
     cmd = deepspeed_command("launch/train.py", *argv(flags, inputs, out))
     proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
@@ -245,7 +271,7 @@ MESSAGE_SOURCES = ["tp_trainer/checks.py", "tp_trainer/run.py", "tp_trainer/conf
                    "tp_trainer/resume.py", "tp_trainer/resume_checks.py", "tp_trainer/checkpoint/hf_load.py",
                    "tp_trainer/data/corpus.py", "tp_trainer/data/packing.py", "tp_trainer/data/tokenizer.py",
                    "tp_trainer/data/files.py", "tp_trainer/data/scored_rows.py", "tp_trainer/data/examples.py",
-                   "tp_trainer/data/chat_template.py"]
+                   "tp_trainer/data/chat_template.py", "tp_trainer/data/chat_spans.py"]
 
 
 def test_help_lists_every_flag_a_message_names(capsys):

@@ -155,13 +155,21 @@ def test_tokenizer_without_template_is_refused(tmp_path, tokenizer):
     tokenizer.chat_template = None
     with pytest.raises(DataConfigError, match="has no chat template; pass --chat_template FILE"):
         resolve_chat_template(tokenizer, None)
-    with pytest.raises(DataConfigError, match="has no {% generation %} markers"):
-        resolve_chat_template(tokenizer, _plain_template(tmp_path))
+
+
+def test_template_without_markers_scores_the_replies(tmp_path, tokenizer):
+    """No {% generation %} markers: the assistant turns are found from the template's rendering
+    (the templates checkpoints ship: test_chat_spans.py)."""
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}]
+    (tokens, labels), *_ = examples_of(build(tmp_path, rows, chat_template=_plain_template(tmp_path))[0])
+    assert tokenizer.decode(tokens) == "[user]Hi[assistant]Yo<|endoftext|>"
+    assert tokenizer.decode([t for t in labels if t != -100]) == "Yo<|endoftext|>"
 
 
 def _plain_template(tmp_path) -> str:
     path = tmp_path / "plain.jinja"
-    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    path.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                    "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
     return str(path)
 
 

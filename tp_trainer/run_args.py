@@ -60,8 +60,9 @@ class RunArgs:
                                           "(default 'completion')", "data")
     messages_column: str | None = _flag(None, "chat data: column of the messages, a list of {role, content} (default: "
                                         "'messages' where the data has it)", "data")
-    chat_template: str | None = _flag(None, "Jinja chat template file for messages data, its assistant turns in "
-                                      "{%% generation %%} ... {%% endgeneration %%} (default: the tokenizer's; the "
+    chat_template: str | None = _flag(None, "Jinja chat template file for messages data, e.g. the checkpoint's own "
+                                      "(its assistant turns found from its rendering, or from {%% generation %%} ... "
+                                      "{%% endgeneration %%} blocks where it has them; default: the tokenizer's; the "
                                       "embedded tokenizer's is tp_trainer/data/default_chat_template.jinja)", "data")
     train_on_prompt: bool = _flag(False, "score every token, prompts and user turns too (default: only completions "
                                   "and assistant turns)", "data", action="store_true")

@@ -75,8 +75,9 @@ class DataArgs:
     template. None: "messages" where the data has that column."""
     chat_template: Optional[str] = None
     """Jinja chat template file for messages data (else the tokenizer's own, else the project's
-    default, ``data/default_chat_template.jinja``); it marks the assistant turns with
-    {% generation %} ... {% endgeneration %}."""
+    default, ``data/default_chat_template.jinja``). Its {% generation %} ... {% endgeneration %}
+    blocks mark the scored tokens where it has them; else each assistant turn is found from its
+    rendering (``chat_spans.py``)."""
     train_on_prompt: bool = False
     """Score every token of an example, prompts and user turns too (default: only the completion or
     the assistant turns are scored, labels -100 elsewhere)."""

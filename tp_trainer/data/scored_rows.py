@@ -7,10 +7,11 @@ Formats (``corpus.data_format``):
     text               the text + eos, every token scored
     prompt_completion  prompt and completion tokenized separately and joined (the boundary is exact:
                        no token spans both), then eos; the completion and eos are scored
-    messages           the chat template's rendering (``chat_template.resolve_chat_template``); the
-                       tokens inside its {% generation %} spans (each assistant reply and its
-                       end-of-turn) are scored, found by ``apply_chat_template(...,
-                       return_assistant_tokens_mask=True)`` from the characters each token covers
+    messages           the chat template's rendering (``chat_template.resolve_chat_template``); each
+                       assistant reply and its end-of-turn token are scored: the tokens inside the
+                       template's {% generation %} spans where it has them (``apply_chat_template(...,
+                       return_assistant_tokens_mask=True)``), else each assistant turn as the
+                       template's renderings of the conversation's prefixes place it (``chat_spans``)
 ``train_on_prompt``: every token scored, in every format. Row checks run here, on every row, before
 any training: a messages row with an unknown role or a message without content, a row without its
 completion; the error names the row and shows it.
@@ -24,7 +25,8 @@ from __future__ import annotations
 import datasets
 from datasets.fingerprint import Hasher
 
-from .chat_template import resolve_chat_template
+from .chat_spans import end_of_turn_ids, scored_chat
+from .chat_template import has_generation_markers, resolve_chat_template, template_errors
 from .corpus import DataArgs, format_columns
 from .errors import DataConfigError
 
@@ -38,14 +40,13 @@ def tokenize_examples(ds: datasets.Dataset, tokenizer, args: DataArgs, data_form
                       tokenizer_key: str) -> datasets.Dataset:
     """``ds`` (one row per example) -> a Dataset of ``EXAMPLE_FEATURES``, cached by ``datasets``.
     Raises DataConfigError naming the row for a bad one. Cost on a miss: the tokenizer's, plus one
-    Jinja rendering per messages row (~0.2 ms)."""
+    Jinja rendering per messages row (a template without generation markers: 1 + 2 per assistant turn)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataConfigError(f"tokenizer {type(tokenizer).__name__} has no eos token; every example ends with "
                               "one. Use a tokenizer that has one.")
     columns = [column for column, _ in format_columns(data_format, args)]
-    template = (resolve_chat_template(tokenizer, args.chat_template, markers=not args.train_on_prompt)
-                if data_format == "messages" else None)
+    template = resolve_chat_template(tokenizer, args.chat_template) if data_format == "messages" else None
     where = f"the {split} data of {args.split_source(split)}"
     fingerprint = Hasher.hash([ds._fingerprint, tokenizer_key, data_format, columns, template,
                                args.train_on_prompt, int(eos), _FORMAT_VERSION])
@@ -82,21 +83,31 @@ def _encode_pairs(batch, indices, tokenizer, columns, eos, template, all_scored,
 
 
 def _encode_chats(batch, indices, tokenizer, columns, eos, template, all_scored, where) -> dict:
-    """The chat template's rendering; the assistant tokens (its generation spans) scored."""
+    """The chat template's rendering; the assistant turns scored (by its generation markers, or found
+    from its renderings of the conversation's prefixes where it has none)."""
     ids, scored = [], []
+    ends = None if all_scored or has_generation_markers(template) else end_of_turn_ids(tokenizer)
     for row, messages in zip(indices, batch[columns[0]]):
         check_messages(messages, row, where, columns[0])
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=not all_scored)
-        tokens = list(out["input_ids"])
-        mask = [1] * len(tokens) if all_scored else [int(bool(m)) for m in out["assistant_masks"]]
-        if not all_scored and not any(mask) and any(m["role"] == "assistant" for m in messages):
-            raise DataConfigError(f"row {row} of {where}: the chat template marked none of its assistant tokens; "
-                                  "wrap each assistant reply in {% generation %} ... {% endgeneration %} "
-                                  "(--chat_template) or pass --train_on_prompt.")
+        tokens, mask = (scored_chat(tokenizer, template, messages, row, where, ends) if ends is not None
+                        else _marked_chat(tokenizer, template, messages, row, where, all_scored))
         ids.append(tokens)
         scored.append(mask)
     return {"input_ids": ids, "scored": scored}
+
+
+def _marked_chat(tokenizer, template, messages, row, where, all_scored) -> tuple[list[int], list[int]]:
+    """(tokens, scored) of a template's rendering: every token (``all_scored``), or its generation spans."""
+    with template_errors(row, where):
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=not all_scored)
+    tokens = list(out["input_ids"])
+    mask = [1] * len(tokens) if all_scored else [int(bool(m)) for m in out["assistant_masks"]]
+    if not all_scored and not any(mask) and any(m["role"] == "assistant" for m in messages):
+        raise DataConfigError(f"row {row} of {where}: the chat template's {{% generation %}} blocks marked none of "
+                              "its assistant tokens; wrap each assistant reply in {% generation %} ... "
+                              "{% endgeneration %} (--chat_template), or pass --train_on_prompt.")
+    return tokens, mask
 
 
 def check_messages(messages, row: int, where: str, column: str = "messages") -> None:
