@@ -16,15 +16,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 
-from tp_trainer.failures import leave  # noqa: E402
-from tp_trainer.run import run  # noqa: E402
+from tp_trainer.failures import leave, stop_before_start  # noqa: E402
+from tp_trainer.run import run, setup_logging  # noqa: E402
 from tp_trainer.run_args import RunArgs, add_arguments  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors end as the run's other bad input does: one ``error:`` line, written by
+    each host's local rank 0 only (argparse's own would print on every rank), exit 2 on every rank."""
+
+    def error(self, message):
+        setup_logging()
+        stop_before_start(ValueError(f"{message}; see {self.prog} --help"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``RunArgs`` (tp_trainer/run_args.py: names, defaults, help), the launcher's
     --local_rank and DeepSpeed's own (--deepspeed_config among them)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = add_arguments(parser)
     groups["training"].add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return deepspeed.add_config_arguments(parser)
@@ -37,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.deepspeed_config:
-        print("error: --deepspeed_config is required (e.g. ds_configs/gpt2_tiny_cpu.json)", file=sys.stderr)
-        return 2
+        setup_logging()
+        stop_before_start(ValueError("--deepspeed_config is required (e.g. ds_configs/gpt2_tiny_cpu.json)"))
     run_args = RunArgs.from_namespace(args)
     losses = run(run_args)
     return 0 if losses else 1

@@ -289,3 +289,20 @@ def test_help_lists_every_flag_a_message_names(capsys):
     assert len(named) > 10, named
     missing = sorted(flag for flag in named if not re.search(re.escape(flag) + r"\b", help_text))
     assert not missing, f"flags named in messages but not in --help: {missing}"
+
+
+@pytest.mark.parametrize("flags, expected", [(["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+                                             ([], "--deepspeed_config is required")])
+def test_a_bad_command_line_prints_one_error_line(flags, expected):
+    """Through the deepspeed command, 2 ranks: argparse's error (and a missing --deepspeed_config) ends as
+    other bad input does: exit code 2, one ``error:`` line in all the command prints, from rank 0 (argparse's
+    own line, on every rank, names no rank and is cut or doubled as the launcher kills the others)."""
+    config = [] if not flags else ["--deepspeed_config", "ds_configs/gpt2_tiny_cpu.json"]
+    cmd = deepspeed_command("launch/train.py", *config, *flags)
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-4000:]
+    errors = [line for line in text.splitlines() if "error:" in line]
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert errors[0].startswith("[rank 0] "), errors   # the run's own line, saying who speaks
+    assert "Traceback" not in text, text[-4000:]
