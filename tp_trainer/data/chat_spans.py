@@ -23,6 +23,7 @@ conversation that opens with an assistant turn.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 
 from .chat_template import render
@@ -93,7 +94,7 @@ def _token_at(offsets: list[tuple[int, int]], starts: list[int], char: int):
 
 
 def _differ(a: str, b: str) -> int:
-    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return len(os.path.commonprefix([a, b]))
 
 
 def refusal(row: int, where: str, reason: str) -> DataConfigError:
