@@ -61,6 +61,8 @@ def validate(args, world_size: int) -> RunSpec:
     section = ds_config.setdefault("terapipe", {})
     if args.block_size is not None:
         section["seq_len"] = args.block_size
+    if args.sequence_parallel is not None:
+        section["sequence_parallel"] = args.sequence_parallel
     keep_cost_model(section, args.output_dir, args.resume)
     merge_lora_flags(section, args)
     seq_len = section.get("seq_len", 1024)
@@ -172,13 +174,37 @@ def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str 
     device_type, supported = this_machine()
     choices = RunChoices.decide(RunInputs(terapipe, ds_config, device_type, supported, model_config, packing,
                                           merge_lora))
-    stages = pipeline_stages(ds_config, world_size)
+    stages = pipeline_stages(ds_config, world_size, terapipe.sequence_parallel)
+    check_sequence_ranks(terapipe, model_config)
     depth = model_depth(model_config)
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
                           f"use at most {depth} stages")
     cost = read_cost_model(terapipe, stages, model_config, choices)
     return PipelineSpec(ds_config, terapipe, stages, choices, cost)
+
+
+def check_sequence_ranks(terapipe: TeraPipeConfig, model_config) -> None:
+    """``terapipe.sequence_parallel`` N against the slices and the model's heads (the world size:
+    ``pipeline_stages``)."""
+    size = terapipe.sequence_parallel
+    if size == 1:
+        return
+    from .model.slices.sequence_ranks import head_problem
+    uneven = [length for length in terapipe.slice_lengths or () if length % size]
+    if uneven:
+        raise ConfigError(f"terapipe.slices: with terapipe.sequence_parallel {size} every slice length must be a "
+                          f"multiple of {size} (each rank takes l/{size} tokens), got {uneven[:4]}; change the "
+                          f"slices or sequence_parallel")
+    if terapipe.seq_len % size:
+        raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} is not a multiple of terapipe.sequence_parallel "
+                          f"{size}; change one of them")
+    heads = getattr(model_config, "num_attention_heads", None) or model_config.n_head
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    problem = head_problem(heads, kv_heads, size)
+    if problem:
+        raise ConfigError(f"terapipe.sequence_parallel: {size} does not fit the model: {problem}; use a "
+                          f"sequence_parallel that divides {heads} (and divides or is a multiple of {kv_heads})")
 
 
 def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices: RunChoices):

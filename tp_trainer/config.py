@@ -143,6 +143,14 @@ class TeraPipeConfig:
     (``model/stages/shared_half.py``), or with SDPA attention an attention half (``model/stages/shared_attention.py``).
     Measured side by side: benchmarks/RESULTS.md. false: boundaries between halves only."""
 
+    sequence_parallel: int = 1
+    """Sequence ranks per stage, N: each slice's l tokens are spread over N ranks of its stage, l/N
+    contiguous tokens each, with an all-to-all around attention (Ulysses over the slice, through the K/V
+    cache: ``model/slices/sequence_ranks.py``). The world is stages x N x replicas, a sequence group N
+    consecutive ranks of one node; slice lengths (and ``granularity``) are multiples of N; the heads (and
+    K/V heads, or N a multiple of them) split over N. Each rank keeps l/N tokens' activations and its
+    heads' K/V. 1 (the default): off. Also ``--sequence_parallel``."""
+
     bind_cores: bool = True
     """On CPU (DeepSpeed's CPU accelerator): pin each rank on this machine to its own share of the
     cores and run that many torch threads (``tp_trainer/cpu_binding.py``), as DeepSpeed's launcher
@@ -179,6 +187,10 @@ class TeraPipeConfig:
             raise ConfigError(f"terapipe.defer_weight_grads: must be true or false, got {self.defer_weight_grads!r}")
         if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
             raise ConfigError(f"terapipe.seq_len: must be a positive integer, got {self.seq_len!r}")
+        if not isinstance(self.sequence_parallel, int) or isinstance(self.sequence_parallel, bool) \
+                or self.sequence_parallel < 1:
+            raise ConfigError(f"terapipe.sequence_parallel: must be a positive integer (sequence ranks per stage), "
+                              f"got {self.sequence_parallel!r}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"terapipe.schedule: unknown schedule {self.schedule!r}; "
                               f"use one of {sorted(SCHEDULES)}")
@@ -241,16 +253,23 @@ def load_ds_config(config) -> dict:
                           f"column {err.colno}); fix the file") from None
 
 
-def pipeline_stages(ds_config: dict, world_size: int) -> int:
-    """Number of pipeline stages from DeepSpeed's ``pipeline.stages`` ("auto" = every rank)."""
+def pipeline_stages(ds_config: dict, world_size: int, sequence_ranks: int = 1) -> int:
+    """Number of pipeline stages from DeepSpeed's ``pipeline.stages`` ("auto" = every rank, or every
+    group of ``sequence_ranks``); the world must be stages x sequence ranks x replicas."""
     stages = ds_config.get("pipeline", {}).get("stages", "auto")
+    per_replica = "" if sequence_ranks == 1 else f" x {sequence_ranks} sequence ranks"
     if stages == "auto":
-        return world_size
+        if world_size % sequence_ranks:
+            raise ConfigError(f"terapipe.sequence_parallel: world size {world_size} is not a multiple of "
+                              f"{sequence_ranks} sequence ranks; launch a multiple of {sequence_ranks} ranks or "
+                              f"change terapipe.sequence_parallel")
+        return world_size // sequence_ranks
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ConfigError(f"pipeline.stages: must be a positive integer or \"auto\", got {stages!r}")
-    if world_size % stages:
-        raise ConfigError(f"pipeline.stages: world size {world_size} is not divisible by {stages} stages; "
-                          f"launch a multiple of {stages} ranks or change pipeline.stages")
+    if world_size % (stages * sequence_ranks):
+        raise ConfigError(f"pipeline.stages: world size {world_size} is not divisible by {stages} stages"
+                          f"{per_replica}; launch a multiple of {stages * sequence_ranks} ranks or change "
+                          f"pipeline.stages" + (" or terapipe.sequence_parallel" if per_replica else ""))
     return stages
 
 

@@ -81,6 +81,7 @@ class TeraPipeEngine(PipelineEngine):
         self.run_plan, self.choices = run_plan, choices
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
+        self.shard = self.slice_context.shard   # sequence ranks (model/slices/sequence_ranks.py), or None
         # saved-tensor hooks measuring activations (memory.py), for the run's memory report
         self.activation_tracker = ActivationTracker(self.module.parameters()) if track_activations else None
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
@@ -178,6 +179,8 @@ class TeraPipeEngine(PipelineEngine):
         buffer = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.is_last_stage():
             buffer[0] = replica_loss.detach()
+            if self.shard is not None:   # each sequence rank scored its own tokens
+                dist.all_reduce(buffer, group=self.shard.group)
             if self.is_data_parallel:
                 dist.all_reduce(buffer, group=self.mpu.get_data_parallel_group())
                 buffer /= self.dp_world_size
@@ -230,7 +233,15 @@ class TeraPipeEngine(PipelineEngine):
         self.fwd_outputs = []
 
     def _slice_shape(self, j: int) -> tuple[int, int, int]:
-        return (self.micro_batch_size, self._slices[j], self.hidden_size)
+        """(b, tokens, hidden) of slice j's activation between stages: this rank's tokens of it."""
+        return (self.micro_batch_size, self._window(j).stop - self._window(j).start, self.hidden_size)
+
+    def _window(self, j: int) -> slice:
+        """The positions of slice j this rank computes: all of it, or its sequence rank's shard."""
+        start, length = self._offsets[j], self._slices[j]
+        if self.shard is not None:
+            start, length = self.shard.local(start, length)
+        return slice(start, start + length)
 
     def _compute_dtype(self) -> torch.dtype:
         """dtype of the activations and gradients between stages: bf16 / fp16 when enabled, else
@@ -255,7 +266,7 @@ class TeraPipeEngine(PipelineEngine):
             self._batches[m] = (to_device(input_ids, self.device), to_device(labels, self.device))
             self._next_microbatch += 1
         input_ids, labels = self._batches[m]
-        window = slice(self._offsets[j], self._offsets[j] + self._slices[j])
+        window = self._window(j)
         if self.is_first_stage():
             self._inputs[(m, j)] = input_ids[:, window]
         if self.is_last_stage():
@@ -373,6 +384,8 @@ class TeraPipeEngine(PipelineEngine):
         ds_compat.reduce_tied_grads(self.module, self.grad_sink.choice.bf16_buffers)
 
     def _exec_reduce(self, cmd: ReduceGrads):
+        if self.shard is not None:   # parameters replicated over the sequence ranks: their gradients add up
+            ds_compat.sum_over_sequence(self, self.shard.group)
         only_sums = self.choices.bf16_optimizer or self.choices.zero_stage == 0
         if self.dp_world_size == 1 and only_sums:
             # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms); ZeRO-1's

@@ -94,7 +94,8 @@ def initialize(model, config=None, args=None, training_data=None, optimizer=None
     split = layout.split if layout else split
     together("loading this stage's weights", materialize_stage, model, stages, checkpoint, seed=seed,
              device=device, split=split)
-    module = build_pipeline_module(model, stages, split=split, attention=attention)
+    module = build_pipeline_module(model, stages, split=split, attention=attention,
+                                   sequence_ranks=terapipe.sequence_parallel)
     together("adding the LoRA adapters", add_lora, module, terapipe, model.config, seed, checkpoint)
     # before compile_blocks: the compiled blocks trace the fused forward
     if choices.fused_norms:

@@ -45,6 +45,8 @@ class RunArgs:
         None, "rotary models: HF's rope_scaling as JSON, e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0}' (also "
         "linear, llama3), to fine-tune at --block_size beyond the checkpoint's positions; replaces its "
         "config.json's rope_parameters", "model")
+    sequence_parallel: int | None = _flag(None, "sequence ranks per stage (Ulysses over each slice); overrides "
+                                          "terapipe.sequence_parallel", "model")
     # ------------------------------------------------------------------ data
     dataset_name: str | None = _flag(None, "hub dataset name", "data")
     dataset_config_name: str | None = _flag(None, "hub dataset config", "data")

@@ -43,7 +43,8 @@ __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_over
            "reduce_tied_grads", "reduce_grads", "detach_flat_copies", "optimizer_step", "set_global_grad_norm",
            "shared_memory_op_loaded", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
-           "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler", "clip_by_pipeline_norm"]
+           "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler", "clip_by_pipeline_norm",
+           "sequence_all_to_all", "sum_over_sequence", "pipeline_topology", "sequence_shard_of"]
 
 
 # ----------------------------------------------------------------------------- engine calls
@@ -190,6 +191,25 @@ def reduce_grads(engine) -> None:
     engine._exec_reduce_grads()
 
 
+def sum_over_sequence(engine, group) -> None:
+    """Sum this stage's gradients over its sequence group (``terapipe.sequence_parallel``), before the
+    replicas' reduction: the tensors DeepSpeed's own reduction takes (the bf16 optimizer's fp32
+    buffers, else each trainable parameter's ``.grad``, a missing one made zeros, which ZeRO-1 then
+    moves into its partitions), flattened per dtype into one all-reduce each. Not DeepSpeed's bucketed
+    ``allreduce_no_retain``: it casts to its communication dtype (fp32), which a float64 run would not survive."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "get_grads_for_reduction"):   # as DeepSpeed's buffered_allreduce_fallback: bf16
+        grads, _ = optimizer.get_grads_for_reduction()
+    else:
+        grads, _ = engine._get_gradients_for_reduction()
+    for dtype in sorted({grad.dtype for grad in grads}, key=str):   # the same order on every rank
+        bucket = [grad for grad in grads if grad.dtype == dtype]
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(summed)
+
+
 def optimizer_step(engine) -> None:
     """DeepSpeed's step at the accumulation boundary: clipping, optimizer, scheduler, monitors.
     Called through the instance, so a test may wrap ``engine._exec_optimizer_step``."""
@@ -302,6 +322,38 @@ def tied_duplicate_weights(module, global_rank: int):
         if global_rank != min(comm["ranks"]):
             for attr in comm["weight_attr"]:
                 yield module._recursive_getattr(comm["module"], attr)
+
+
+def pipeline_topology(stages: int, sequence_ranks: int, world_size: int):
+    """DeepSpeed's process topology of a run: stages x replicas, or with sequence ranks DeepSpeed's
+    'model' axis for them (``PipeModelDataParallelTopology``, axes pipe, data, model: a rank is
+    (stage x replicas + replica) x N + sequence rank, so a sequence group is N consecutive ranks, on one
+    node). Why that axis: DeepSpeed's grid then builds the groups the run needs from it: the sequence
+    groups (its 'slice' groups), the replicas' data-parallel group (batch sizes, data, ZeRO-1's
+    partitions, the reduction), one tied-weight group per (replica, sequence rank), ``stage_to_global``
+    keeping the sequence rank (rank r of stage i sends to rank r of stage i + 1), and the norms of the
+    bf16 / fp16 / ZeRO optimizers counting replicated parameters on sequence rank 0 only (as for
+    tensor slicing). None without sequence ranks (PipelineModule builds its own)."""
+    if sequence_ranks == 1:
+        return None
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    return PipeModelDataParallelTopology(num_pp=stages, num_mp=sequence_ranks,
+                                         num_dp=world_size // (stages * sequence_ranks))
+
+
+def sequence_shard_of(grid):
+    """(group, rank, size) of this rank's sequence group on DeepSpeed's grid (its 'slice' group, the
+    topology's 'model' axis: ``pipeline_topology``)."""
+    return grid.get_slice_parallel_group(), grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
+
+
+def sequence_all_to_all(group, states: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
+    """DeepSpeed's Ulysses all-to-all (``deepspeed.sequence.layer._SeqAllToAll``, its autograd: the
+    backward is the reverse exchange) on (b, s, h, d): dimension ``scatter`` split over ``group``,
+    ``gather`` joined (2, 1: token shards -> head shards; 1, 2: back). DeepSpeed's own op rather than one
+    of ours: the same layout code its ``DistributedAttention`` runs."""
+    from deepspeed.sequence.layer import _SeqAllToAll
+    return _SeqAllToAll.apply(group, states, scatter, gather, 0)
 
 
 def stage_of_rank(module) -> int:

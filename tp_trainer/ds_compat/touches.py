@@ -316,6 +316,22 @@ TOUCHES = (
     Touch("deepspeed.runtime.pipe.topology:ProcessTopology", "get_coord", "rank -> coordinate with .pipe.",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py", "tp_trainer/checkpoint/hf_load.py"),
           params=("self", "rank")),
+    # ------------------------------------------------------------------ sequence ranks (terapipe.sequence_parallel)
+    Touch("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology", "__init__", "Stages x replicas x "
+          "sequence ranks, the sequence ranks on DeepSpeed's 'model' axis (ds_compat.pipeline_topology).",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "num_pp", "num_mp", "num_dp")),
+    Touch(GRID, "get_slice_parallel_group", "The sequence group: the grid's group over the 'model' axis.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch(GRID, "get_slice_parallel_rank", "This rank's place in its sequence group.", PIPE_SINCE,
+          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch("deepspeed.sequence.layer:_SeqAllToAll", "forward", "Ulysses' all-to-all with its autograd "
+          "(ds_compat.sequence_all_to_all), batch first.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
+          params=("ctx", "group", "input", "scatter_idx", "gather_idx", "batch_dim_idx")),
+    Touch(DS_ENGINE, "_get_gradients_for_reduction", "The gradients DeepSpeed's reduction takes (no bf16 "
+          "optimizer), summed over the sequence group first.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch(BF16, "get_grads_for_reduction", "The bf16 optimizer's fp32 gradient buffers, summed over the "
+          "sequence group first.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
     Touch("deepspeed", "set_optimizer_flags", "deepspeed.initialize's own step before building the engine, "
           "which initialize.py repeats since it builds the engine itself.", "checked 0.19.8",
           ("tp_trainer/initialize.py",), params=("config_class", "model")),

@@ -42,6 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from ..cuda.attention_cuda import AttentionChoice, cuda_path, slice_attention_cuda
+from .sequence_ranks import heads_to_tokens, tokens_to_heads
 
 ATTN_NAME = "tp_slice_sdpa"
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -201,17 +202,41 @@ def slice_attention_forward(module: nn.Module, query, key, value, attention_mask
 
 @torch.compiler.disable   # a compiled block (compiled_blocks.py) attends eagerly: the span's start changes every slice
 def _span_attention(module, query, key, value, span: SliceSpan, dropout, scaling, is_causal, **kwargs):
-    """The slice's attention over keys / values [0, c + l) (the slice cache's views)."""
+    """The slice's attention over keys / values [0, c + l) (the slice cache's views); with sequence ranks
+    the query's token shard becomes a head shard of the whole slice first and the output goes back
+    (``sequence_ranks``: the cache's views hold this rank's heads already)."""
     if getattr(span.source, "keys_only", False):  # shared_attention: only k, v are wanted from this call
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+    shard = getattr(span.source, "shard", None)
+    if shard is None:
+        return _attend(module, query, key, value, span, dropout, scaling, is_causal, **kwargs)
+    out, weights = _attend(module, tokens_to_heads(query, shard), key, value, span, dropout, scaling, is_causal,
+                           **kwargs)
+    return heads_to_tokens(out, shard), weights
+
+
+def _attend(module, query, key, value, span: SliceSpan, dropout, scaling, is_causal, **kwargs):
+    """(b, l, heads, d) of query (b, heads, l, d) over the cache's keys / values, by the first kernel that fits."""
     if span.segments is None and cuda_path(query, key, span, dropout, kwargs):  # packed: the masked path below
         return slice_attention_cuda(query, key, value, span, scaling, _choice(span)), None
     if fast_path(query, key, span, dropout, kwargs):
         out = _SliceAttention.apply(query, key, value, span, scaling)
         return out.transpose(1, 2).contiguous(), None
     first = span.first_key
-    return sdpa_attention_forward(module, query, key[:, :, first:], value[:, :, first:], span.mask(query.device),
+    groups = _GroupsAs(module, query.shape[1] // key.shape[1])   # K/V heads replicated over sequence ranks
+    return sdpa_attention_forward(groups, query, key[:, :, first:], value[:, :, first:], span.mask(query.device),
                                   dropout, scaling, is_causal, **kwargs)
+
+
+class _GroupsAs:
+    """An attention module as HF's SDPA function reads it, with ``num_key_value_groups`` = the query heads
+    per K/V head it is given (with sequence ranks that replicate K/V heads, h/N per head, not h/g)."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 def _choice(span: SliceSpan) -> AttentionChoice:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
+from .sequence_ranks import kv_to_heads
+
 
 def _alias(buffer: torch.Tensor, length: int) -> torch.Tensor:
     """A tensor reading buffer[:, :, :length] with its own version counter (no copy)."""
@@ -135,13 +137,16 @@ class SliceCache(Cache):
     calls ``update(key, value, layer_idx)`` once per layer; it returns the K/V of [0, c + l).
     """
 
-    def __init__(self, kv: SequenceKV, start: int):
+    def __init__(self, kv: SequenceKV, start: int, shard=None):
         super().__init__(layers=[])
         self.kv = kv
         self.start = start
+        self.shard = shard   # sequence ranks (sequence_ranks.SequenceShard): k, v come as this rank's tokens
 
     @torch.compiler.disable   # a compiled block (compiled_blocks.py) appends eagerly: Tensor.set_ is not traceable
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.shard is not None:   # (b, g, l/N, d) -> (b, g/N, l, d): this rank's heads of the whole slice
+            key_states, value_states = (kv_to_heads(states, self.shard) for states in (key_states, value_states))
         return _AppendKV.apply(key_states, value_states, self.kv, layer_idx, self.start)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

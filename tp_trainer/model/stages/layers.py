@@ -14,6 +14,7 @@ from torch import nn
 from ..cuda.attention_cuda import AttentionChoice
 from ..slices.embedding_grad import slice_embedding
 from ..slices.attention import SliceSpan, redirect
+from ..slices.sequence_ranks import SequenceShard
 from ..slices.slice_cache import SequenceKV, SliceCache, slice_attention_mask
 
 
@@ -44,10 +45,12 @@ class SliceContext:
         self._per_plan: dict = {}
         self._mask_bytes = 0
         self.keys_only = False   # set while a shared attention half only stores a slice's K/V (shared_attention)
+        # terapipe.sequence_parallel: this rank's place in its stage's sequence group (None: the whole slice here)
+        self.shard: SequenceShard | None = None
 
     def begin(self, kv: SequenceKV, start: int, length: int) -> None:
         self.start, self.length = start, length
-        self.cache = SliceCache(kv, start)
+        self.cache = SliceCache(kv, start, self.shard)
         self.segments = kv.segments
         self._per_slice = {}
 
@@ -80,12 +83,19 @@ class SliceContext:
         """``embedding(ids)`` for this slice, its weight gradient gathered per sequence."""
         return slice_embedding(embedding, ids, self.cache.kv if self.cache is not None else None, self.start)
 
+    @property
+    def local(self) -> tuple[int, int]:
+        """(first position, tokens) of what this rank holds of the slice: all of it, or with sequence
+        ranks its shard (``sequence_ranks.SequenceShard.local``). Attention sees the whole slice."""
+        return (self.start, self.length) if self.shard is None else self.shard.local(self.start, self.length)
+
     def positions(self, device) -> torch.Tensor:
-        """Position ids of the slice, shape (1, length): start .. start + length - 1; with packed
-        examples (b, length), restarting at 0 at each example's first token."""
+        """Position ids of this rank's tokens of the slice (``local``), shape (1, l): their own positions
+        from start on; with packed examples (b, l), restarting at 0 at each example's first token."""
+        start, length = self.local
         if self.segments is not None:
-            return self.segments.slice_positions(self.start, self.length).to(device)
-        return torch.arange(self.start, self.start + self.length, device=device)[None]
+            return self.segments.slice_positions(start, length).to(device)
+        return torch.arange(start, start + length, device=device)[None]
 
     def plan_positions(self, device) -> torch.Tensor:
         """``positions(device)``, built once per (start, length) (packed examples: once per slice; do

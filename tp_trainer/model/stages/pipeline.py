@@ -6,10 +6,14 @@ import torch
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.utils import logger
 
-from ...ds_compat import set_layer_bounds, stage_of_rank
+from deepspeed import comm as dist
+
+from ...config import ConfigError
+from ...ds_compat import pipeline_topology, sequence_shard_of, set_layer_bounds, stage_of_rank
+from ..slices.sequence_ranks import SequenceShard
 from ..families.adapters import adapter_for
 from .stage_specs import split_specs
-from .layers import HFPart, SliceContext
+from .layers import DecoderBlock, HFPart, SliceContext
 from .split import StageSplit, split_for_config
 
 
@@ -20,10 +24,24 @@ class TeraPipeModule(PipelineModule):
     The class name must not be ``GPT2ModelPipe``: DeepSpeed then assumes an attention-mask input.
     """
 
-    def __init__(self, layers, split: StageSplit, slice_context: SliceContext, **kwargs):
+    def __init__(self, layers, split: StageSplit, slice_context: SliceContext, sequence_ranks: int = 1, **kwargs):
         self.stage_split = split  # read by _partition_layers during super().__init__
         self.slice_context = slice_context
-        super().__init__(layers, num_stages=len(split.parts) - 1, partition_method="terapipe", **kwargs)
+        stages = len(split.parts) - 1
+        topology = pipeline_topology(stages, sequence_ranks, dist.get_world_size())   # None: DeepSpeed's own
+        super().__init__(layers, num_stages=stages, topology=topology, partition_method="terapipe", **kwargs)
+        if sequence_ranks > 1:
+            slice_context.shard = SequenceShard(*sequence_shard_of(self._grid))
+            self._check_sequence_attention()
+
+    def _check_sequence_attention(self) -> None:
+        """Sequence ranks exchange heads inside the slice attention: every block must attend through it."""
+        eager = [f.hf_name for f in self.modules() if isinstance(f, DecoderBlock) and not f.spans]
+        if eager:
+            raise ConfigError(f"terapipe.sequence_parallel: {eager[0]} attends through "
+                              f"{self.slice_context.attn_implementation!r} attention, not the slice attention the "
+                              f"sequence ranks exchange heads in; load the model with attn_implementation \"sdpa\" "
+                              f"or set sequence_parallel 1")
 
     def _partition_layers(self, method="terapipe"):
         stage_id = stage_of_rank(self)
@@ -44,16 +62,17 @@ class TeraPipeModule(PipelineModule):
 
 
 def build_pipeline_module(model, stages: int, attn_implementation: str | None = None, split: StageSplit | None = None,
-                          attention=None, **kwargs) -> TeraPipeModule:
+                          attention=None, sequence_ranks: int = 1, **kwargs) -> TeraPipeModule:
     """Split an HF causal LM into a TeraPipeModule for ``stages`` pipeline stages.
 
     ``split``: the stage boundaries (e.g. measured by the planner); default the config's estimate.
-    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``; default "auto")."""
+    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``; default "auto").
+    ``sequence_ranks``: ``terapipe.sequence_parallel``, ranks per stage sharing each slice's tokens."""
     impl = attn_implementation or model.config._attn_implementation or "sdpa"
     adapter = adapter_for(model.config)
     ctx = SliceContext(impl, attention)
     split = split or split_for_config(model.config, stages, adapter.PREFIX, adapter.SUFFIX)
-    return TeraPipeModule(split_specs(adapter, model, ctx, split), split, ctx, **kwargs)
+    return TeraPipeModule(split_specs(adapter, model, ctx, split), split, ctx, sequence_ranks, **kwargs)
 
 
 def hf_named_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
