@@ -12,11 +12,13 @@ import os
 import exactness_cases as ec
 import packed_cases
 import pipeline_harness as harness
+import sequence_cases
 from multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
 WORLDS = (1, 2, 3, 4)
-WORLD_OF = {case["name"]: world for world in WORLDS for case in ec.cases(world) + packed_cases.cases(world)}
+WORLD_OF = {case["name"]: world for world in WORLDS
+            for case in ec.cases(world) + packed_cases.cases(world) + sequence_cases.cases(world) + sequence_cases.packed(world)}
 
 
 class ExactnessRuns:

@@ -1,7 +1,7 @@
 """One rank of the exactness run: trains every case STEPS steps through TeraPipeEngine, once in
 float64 and once in fp32 (``pipeline_harness.train_case``); on 2 and 3 ranks also the packed-example
 cases (``packed_cases.py``); on 2 to 4 ranks, last, the recorded steps of ``nccl_record_worker.py``
-(its cases for this world size).
+(its cases for this world size); on 2 and 4 ranks the sequence-rank cases (``sequence_cases.py``).
 
 Saves {case name: {"f64": result, "f32": result}} (results keyed by HF parameter names).
 Usage: exactness_worker.py WORLD_SIZE OUT_DIR
@@ -15,6 +15,7 @@ import exactness_cases as ec  # noqa: E402
 import lora_cases  # noqa: E402
 import packed_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
+import sequence_cases  # noqa: E402
 
 
 def run_case(case, dtype, export=None):
@@ -39,7 +40,10 @@ def main(world, out_dir, keep=lambda case: True):
     results = {name: run_case(case, dtype, os.path.join(out_dir, f"hf-{name}") if exports(case) else None)
                for name, case, dtype in case_runs(world, keep)}
     results.update({f"{case['name']}@{key}": packed_cases.train(case, dtype)   # packed examples
-                    for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+                    for case in packed_cases.cases(world) + sequence_cases.packed(world)
+                    for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+    results.update({f"{case['name']}@{key}": sequence_cases.train(case, dtype)   # sequence ranks
+                    for case in sequence_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
     harness.save_rank(results, out_dir)
     if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
         lora_cases.precision_runs(world, out_dir)

@@ -123,8 +123,12 @@ def model(family: str, dtype: torch.dtype = torch.float32):
 
 
 def ds_config(case: dict) -> dict:
+    """The harness's config on the case's slices (default SLICES), with its sequence ranks (sequence_cases.py)."""
     import pipeline_harness as harness
-    return harness.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, SLICES, case["schedule"], case["zero"])
+    config = harness.ds_config(case["stages"], MICROBATCHES, MICRO_BATCH, SEQ_LEN, case.get("slices", SLICES),
+                               case["schedule"], case["zero"])
+    config["terapipe"]["sequence_parallel"] = case.get("sequence_ranks", 1)
+    return config
 
 
 def train(case: dict, dtype: torch.dtype) -> dict:

@@ -123,6 +123,7 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
         save_hf_checkpoint(engine, export, model.config)
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
+            "sequence_rank": engine.shard.rank if engine.shard is not None else 0,
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
             "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
             "captured_units": captured_units(engine),
@@ -187,9 +188,10 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
     """{case name: {"losses", "eval", "grads", "params"}} merged over the ranks' ``save_rank`` files.
 
     Every rank must report the same losses; a parameter held by two ranks (tied weights,
-    data-parallel replicas) must agree across them. Gradients are averaged over the replicas
-    (what DeepSpeed's data-parallel reduction computes); ``losses`` are the last stages' own
-    losses averaged over the replicas, after checking what train_batch reported against them.
+    data-parallel replicas, sequence ranks) must agree across them. Gradients are averaged over the
+    replicas (what DeepSpeed's data-parallel reduction computes; sequence ranks hold their sum already);
+    ``losses`` are the last stages' own losses, summed over sequence ranks and averaged over the
+    replicas, after checking what train_batch reported against them.
     """
     merged = {}
     for rank in range(world):
@@ -199,7 +201,8 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
             entry = merged.setdefault(name, {"reported": result["losses"], "eval": result["eval"], "exact": {},
                                              "grads": {}, "params": {}, "fused_head_loss": False,
                                              "layer_types": set(), "captured_units": 0,
-                                             "compiled_blocks": 0, "dynamo_graphs": 0})
+                                             "compiled_blocks": 0, "dynamo_graphs": 0, "sequence_ranks": set()})
+            entry["sequence_ranks"].add(result.get("sequence_rank", 0))
             entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
             entry["layer_types"] |= set(result.get("layer_types", ()))
             for key in ("captured_units", "compiled_blocks", "dynamo_graphs"):
@@ -208,8 +211,8 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
             assert all(abs(a - b) <= REPORTED_LOSS_TOL * abs(b) for a, b in
                        zip(result["losses"], entry["reported"], strict=True)), f"{name}: stages disagree on the loss"
             assert entry["eval"] == result["eval"], f"{name}: stages disagree on the eval loss"
-            if result["exact_losses"] is not None:
-                entry["exact"][result["replica"]] = result["exact_losses"]
+            if result["exact_losses"] is not None:   # sequence ranks: each its own tokens' share of the loss
+                entry["exact"].setdefault(result["replica"], {})[result.get("sequence_rank", 0)] = result["exact_losses"]
             for hf_name, tensor in result["params"].items():
                 if hf_name in entry["params"]:
                     assert relative(tensor, entry["params"][hf_name]) <= 1e-6, f"{name}: copies of {hf_name}"
@@ -220,7 +223,8 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
 
 
 def _finish_merge(name: str, entry: dict) -> dict:
-    exact = torch.tensor(list(entry.pop("exact").values()), dtype=torch.float64).mean(0).tolist()
+    shares = [torch.tensor(list(ranks.values()), dtype=torch.float64).sum(0) for ranks in entry.pop("exact").values()]
+    exact = torch.stack(shares).mean(0).tolist()
     for step, (reported, mine) in enumerate(zip(entry.pop("reported"), exact, strict=True)):
         assert abs(reported - mine) <= REPORTED_LOSS_TOL * abs(mine), (
             f"{name} step {step}: train_batch returned {reported}, the last stage computed {mine}")

@@ -1,0 +1,95 @@
+"""Sequence ranks (``terapipe.sequence_parallel`` 2): the cases the exactness launches of 2 and 4 ranks run
+beside their pipeline cases (exactness_worker.py), and their plain-HF references (test_sequence_ranks.py).
+
+Each slice's tokens are split over the 2 sequence ranks of its stage, so slice lengths are even: uneven
+slices [6, 4, 4, 2] (shards of 3, 2, 2 and 1 tokens). Models: the exactness GPT-2 (4 heads), and Llama-style
+ones with grouped-query attention whose 2 K/V heads split over the 2 ranks ("llama-gqa") or whose single
+K/V head is replicated on both ("llama-mqa"). 2 ranks: 1 stage x 2 sequence ranks; 4 ranks: 2 stages x 2
+sequence ranks, and 1 stage x 2 sequence ranks x 2 replicas with ZeRO-1 (fp32 only: DeepSpeed's
+data-parallel reduction takes no float64). Packed examples: packed_cases.py's blocks on the same slices.
+"""
+
+from __future__ import annotations
+
+import exactness_cases as ec
+import packed_cases
+import torch
+
+SEQUENCE_RANKS = 2
+SLICES = [6, 4, 4, 2]
+# Llama-style models of the cases: K/V heads split (2 over 2 ranks) or replicated (1 on each)
+KV_HEADS = {"llama-gqa": 2, "llama-mqa": 1}
+
+
+def _case(stages, family, tied, schedule, replicas=1, zero=0, ckpt=False, zb=True, lora=None,
+          dtypes=tuple(ec.DTYPES)) -> dict:
+    case = ec._case(stages, 3, "uneven", tied, schedule, replicas=replicas, zero=zero, ckpt=ckpt, zb=zb,
+                    lora=lora, dtypes=dtypes)
+    name = case["name"].replace(f"pp{stages}", f"pp{stages}-sp{SEQUENCE_RANKS}-{family}", 1).replace("-uneven", "")
+    return {**case, "name": name, "family": family, "slices": SLICES, "sequence_ranks": SEQUENCE_RANKS,
+            "same_as": None}
+
+
+def cases(world: int) -> list[dict]:
+    """The sequence-rank cases of a launch of ``world`` ranks (2: 1 stage; 4: 2 stages, or 1 stage x 2 replicas)."""
+    if world == 2:
+        return [_case(1, "gpt2", True, "gpipe"), _case(1, "gpt2", False, "1f1b", zb=False),
+                _case(1, "llama-gqa", False, "gpipe"), _case(1, "llama-mqa", True, "1f1b"),
+                _case(1, "gpt2", True, "1f1b", lora=())]
+    if world == 4:
+        return [_case(2, "gpt2", True, "gpipe"), _case(2, "gpt2", False, "1f1b", ckpt=True),
+                _case(2, "llama-gqa", False, "1f1b", ckpt=True), _case(2, "llama-mqa", True, "gpipe", zb=False),
+                _case(1, "gpt2", True, "1f1b", replicas=2, zero=1, dtypes=("f32",))]
+    return []
+
+
+def packed(world: int) -> list[dict]:
+    """Packed examples over 2 sequence ranks (packed_cases.train): 1 stage (2 ranks), 2 stages (4 ranks).
+    packed_cases' first block holds examples of 5, 6 and 5 tokens: with slices [6, 4, 4, 2] the first
+    crosses a shard boundary (3), the second a slice boundary (6), the third a slice (14) and a shard one."""
+    if world not in (2, 4):
+        return []
+    stages = world // SEQUENCE_RANKS
+    return [{"name": f"packed-pp{stages}-sp{SEQUENCE_RANKS}-{family}-{schedule}", "family": family, "stages": stages,
+             "schedule": schedule, "split": None, "replicas": 1, "zero": 0, "dtypes": ("f64", "f32"),
+             "slices": SLICES, "sequence_ranks": SEQUENCE_RANKS}
+            for family, schedule in (("gpt2", "1f1b"), ("llama", "gpipe"))]
+
+
+def model(case: dict, dtype: torch.dtype = torch.float32):
+    """The case's tiny model: the exactness GPT-2, or a Llama-style one of 3 layers x 32 with 4 heads."""
+    if case["family"] == "gpt2":
+        return ec.tiny_model(case["tied"], dtype=dtype)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=ec.VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=KV_HEADS[case["family"]],
+                         max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+                         attention_dropout=0.0, tie_word_embeddings=case["tied"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().to(dtype)
+
+
+def ds_config(case: dict) -> dict:
+    config = ec.ds_config(case)
+    config["terapipe"]["sequence_parallel"] = case["sequence_ranks"]
+    return config
+
+
+def train(case: dict, dtype: torch.dtype) -> dict:
+    """One rank's run of the case (pipeline_harness.train_case)."""
+    import lora_cases
+    import pipeline_harness as harness
+    return harness.train_case(model(case, dtype), ds_config(case), lambda step, replica: ec.batches(case, step, replica),
+                              ec.STEPS, lambda replica: ec.batches(case, ec.EVAL_STEP, replica),
+                              inspect=lora_cases.footprint if case["lora"] is not None else None)
+
+
+def reference(case: dict, dtype: torch.dtype) -> dict:
+    """The plain HF model on the whole global batch (pipeline_harness.reference)."""
+    import pipeline_harness as harness
+    if case["lora"] is not None:
+        import lora_cases
+        return lora_cases.reference(case, dtype)
+    return harness.reference(model(case, dtype), lambda step: ec.batches(case, step), ec.STEPS,
+                             ec.batches(case, ec.EVAL_STEP))

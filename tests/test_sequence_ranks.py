@@ -1,0 +1,42 @@
+"""Sequence ranks (terapipe.sequence_parallel 2) train exactly what the plain HF model trains in one process.
+
+The cases (sequence_cases.py) run inside the exactness launches of 2 and 4 ranks (exactness_launch.py):
+1 stage x 2 sequence ranks, 2 stages x 2 sequence ranks, 1 stage x 2 sequence ranks x 2 replicas (ZeRO-1);
+GPT-2 and Llama-style models whose K/V heads split or are replicated; gpipe and 1f1b, W deferred or in B,
+activation checkpointing, LoRA, packed examples across shards and slices. Criteria as test_exactness.py:
+float64 within 1e-12 (loss) / 1e-9 (every gradient, the parameters after 3 AdamW steps, the eval loss)
+wherever DeepSpeed's data-parallel reduction is not involved; fp32 within its own noise in every case.
+"""
+
+import packed_cases
+import pipeline_harness as harness
+import pytest
+import sequence_cases as sc
+import torch
+from exactness_launch import WORLDS
+
+CASES = [case for world in WORLDS for case in sc.cases(world)]
+PACKED = [case for world in WORLDS for case in sc.packed(world)]
+
+
+def _check(results, case, exact, fp32_reference) -> str:
+    report = case["name"]
+    for key in case["dtypes"]:   # every rank of the launch ran the case on its shard of each slice
+        assert results[f"{case['name']}@{key}"]["sequence_ranks"] == {0, 1}, key
+    if "f64" in case["dtypes"]:
+        worst = harness.check_float64(results[case["name"] + "@f64"], exact)
+        report += ": float64 " + " ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    worst = harness.check_float32(results[case["name"] + "@f32"], fp32_reference, exact)
+    return report + " | fp32 distance/allowed " + " ".join(f"{k} {v:.2f}" for k, v in worst.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_sequence_ranks_match_hf(exactness_runs, case):
+    print(_check(exactness_runs, case, sc.reference(case, torch.float64), sc.reference(case, torch.float32)))
+
+
+@pytest.mark.parametrize("case", PACKED, ids=[c["name"] for c in PACKED])
+def test_packed_examples_over_sequence_ranks(exactness_runs, case):
+    """No example attends to another across a shard or a slice boundary: each equals HF on it alone."""
+    print(_check(exactness_runs, case, packed_cases.reference(case, torch.float64),
+                 packed_cases.reference(case, torch.float32)))
