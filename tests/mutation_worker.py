@@ -20,6 +20,7 @@ import lora_cases  # noqa: E402
 import numpy as np  # noqa: E402
 import packed_cases  # noqa: E402
 import pipeline_harness as harness  # noqa: E402
+import sequence_cases  # noqa: E402
 
 from tp_trainer import engine as engine_module  # noqa: E402
 from tp_trainer.engine import TeraPipeEngine  # noqa: E402
@@ -172,6 +173,44 @@ PACKED_MUTATIONS = {"packed_none": contextlib.nullcontext, "packed_leak_previous
                     "packed_positions_not_restarting": _positions_not_restarting}
 
 
+# sequence ranks (tests/sequence_cases.py): 1 stage x 2 sequence ranks, a Llama-style model whose 2 K/V
+# heads split over the ranks (rotary positions), gpipe, against the plain HF model
+SEQUENCE_CASE = sequence_cases.cases(2)[2]
+
+
+def _drop_value_exchange_grad():
+    """The all-to-all of the values (token shards -> head shards, in the K/V cache's update) passes no
+    gradient back: each rank's value projection misses what the other rank's heads sent it."""
+    from tp_trainer.model.slices import slice_cache
+    exchange, calls = slice_cache.kv_to_heads, []
+
+    def dropped(states, shard):
+        calls.append(1)
+        return exchange(states.detach() if len(calls) % 2 == 0 else states, shard)   # k, v, k, v, ...
+    return mock.patch.object(slice_cache, "kv_to_heads", dropped)
+
+
+def _shift_shard_offset():
+    """The second sequence rank's tokens get positions one too early (its rotary angles), its data unchanged."""
+    local = SliceContext.local
+
+    def shifted(self):
+        first, share = local.fget(self)
+        return first - (self.shard.rank if self.shard is not None else 0), share
+    return mock.patch.object(SliceContext, "local", property(shifted))
+
+
+def _skip_sequence_sum():
+    """The replicated parameters' gradients are not summed over the sequence group."""
+    from tp_trainer import ds_compat
+    return mock.patch.object(ds_compat, "sum_over_sequence", lambda engine, group: None)
+
+
+SEQUENCE_MUTATIONS = {"sequence_none": contextlib.nullcontext, "sequence_drop_value_exchange_grad":
+                      _drop_value_exchange_grad, "sequence_shift_shard_offset": _shift_shard_offset,
+                      "sequence_skip_sum": _skip_sequence_sum}
+
+
 def main():
     out_dir = sys.argv[1]
     results = {}
@@ -185,6 +224,9 @@ def main():
     for name, mutation in PACKED_MUTATIONS.items():
         with mutation():
             results[name] = packed_cases.train(PACKED_CASE, torch.float64)
+    for name, mutation in SEQUENCE_MUTATIONS.items():
+        with mutation():
+            results[name] = sequence_cases.train(SEQUENCE_CASE, torch.float64)
     harness.save_rank(results, out_dir)
 
 

@@ -3,7 +3,9 @@ fails each deliberately broken one (mutation_worker.py: a dropped K/V gradient, 
 ids, a skipped tied-weight reduction, a mis-weighted slice loss, the last slice scored against the
 wrong labels, clipping by each stage's own norm; with LoRA, one stage's adapter gradients dropped;
 with packed examples, checked against HF on each example alone: attention over the cache leaking into
-the previous example, a prompt token scored, positions not restarting per example).
+the previous example, a prompt token scored, positions not restarting per example; with sequence ranks,
+the values' all-to-all passing no gradient back, a shard placed one token late, the sequence group's
+gradient sum left out).
 One launch of 2 ranks trains them all.
 """
 
@@ -15,6 +17,7 @@ import mutation_worker as mw
 import packed_cases
 import pipeline_harness as harness
 import pytest
+import sequence_cases
 import torch
 from multirank import run_ranks
 
@@ -84,4 +87,20 @@ def test_packed(rank_files, packed_exact, mutation):
         return
     with pytest.raises(AssertionError) as failure:
         check(rank_files, packed_exact, mutation)
+    print(f"{mutation}: {str(failure.value).splitlines()[0]}")
+
+
+@pytest.fixture(scope="module")
+def sequence_exact():
+    return sequence_cases.reference(mw.SEQUENCE_CASE, torch.float64)
+
+
+@pytest.mark.parametrize("mutation", list(mw.SEQUENCE_MUTATIONS))
+def test_sequence_ranks(rank_files, sequence_exact, mutation):
+    """1 stage x 2 sequence ranks against HF: the real engine passes, each mutation fails."""
+    if mutation == "sequence_none":
+        check(rank_files, sequence_exact, mutation)
+        return
+    with pytest.raises(AssertionError) as failure:
+        check(rank_files, sequence_exact, mutation)
     print(f"{mutation}: {str(failure.value).splitlines()[0]}")
