@@ -21,6 +21,7 @@ COMPILED = {"compile_blocks": "inductor"}
 CKPT = {"pipeline": {"activation_checkpoint_interval": 1}}
 NO_CKPT = {"pipeline": {"activation_checkpoint_interval": 0}}
 BF16 = {"bf16": {"enabled": True}}
+SEQ2 = {"sequence_parallel": 2}
 
 
 def inputs(section=None, ds_config=None, **run) -> RunInputs:
@@ -73,6 +74,15 @@ CASES = {
     ("--packing", "terapipe.cuda_graphs"): (
         inputs(GRAPHS, packing="examples"), inputs(GRAPHS, packing="none"),
         r"--packing examples: several examples per row change the attention"),
+    ("terapipe.sequence_parallel", "terapipe.slices"): (
+        inputs({**SEQ2, "slices": "auto"}), inputs({**SEQ2, "slices": [8, 8]}),
+        r"terapipe.sequence_parallel: 2 sequence ranks do not run with terapipe.slices \"auto\" yet"),
+    ("terapipe.sequence_parallel", "terapipe.cuda_graphs"): (
+        inputs({**SEQ2, **GRAPHS}), inputs({"sequence_parallel": 1, **GRAPHS}),
+        r"terapipe.sequence_parallel: 2 sequence ranks do not run with terapipe.cuda_graphs yet"),
+    ("terapipe.sequence_parallel", "terapipe.compile_blocks"): (
+        inputs({**SEQ2, **COMPILED}), inputs(SEQ2),
+        r"terapipe.sequence_parallel: 2 sequence ranks do not run with terapipe.compile_blocks yet"),
 }
 
 

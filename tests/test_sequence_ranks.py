@@ -40,3 +40,30 @@ def test_packed_examples_over_sequence_ranks(exactness_runs, case):
     """No example attends to another across a shard or a slice boundary: each equals HF on it alone."""
     print(_check(exactness_runs, case, packed_cases.reference(case, torch.float64),
                  packed_cases.reference(case, torch.float32)))
+
+
+@pytest.mark.parametrize("heads,kv_heads,size,problem", [
+    (4, 4, 2, None), (4, 2, 2, None), (4, 1, 2, None), (8, 2, 4, None), (32, 8, 16, None),
+    (4, 4, 3, "its 4 attention heads do not split over 3 sequence ranks"),
+    (12, 3, 2, "its 3 key/value heads neither split over 2 sequence ranks nor divide 2"),
+    (24, 6, 4, "its 6 key/value heads neither split over 4 sequence ranks nor divide 4")])
+def test_heads_split_or_replicate_over_the_sequence_ranks(heads, kv_heads, size, problem):
+    from tp_trainer.model.slices.sequence_ranks import head_problem
+    got = head_problem(heads, kv_heads, size)
+    assert got == problem if problem is None else got.startswith(problem), got
+
+
+def test_a_block_that_does_not_attend_through_the_slice_attention_is_refused():
+    """Eager attention (or a family whose blocks take a mask tensor) cannot exchange heads: one ConfigError."""
+    from types import SimpleNamespace
+
+    from tp_trainer.config import ConfigError
+    from tp_trainer.model.stages.layers import DecoderBlock
+    from tp_trainer.model.stages.pipeline import TeraPipeModule
+    block = DecoderBlock.__new__(DecoderBlock)
+    vars(block).update(spans=False, hf_name="transformer.h.0")
+    module = SimpleNamespace(modules=lambda: [block], slice_context=SimpleNamespace(attn_implementation="eager"))
+    with pytest.raises(ConfigError, match=r"terapipe.sequence_parallel: transformer.h.0 attends through 'eager'"):
+        TeraPipeModule._check_sequence_attention(module)
+    block.spans = True
+    TeraPipeModule._check_sequence_attention(module)

@@ -172,21 +172,21 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _sequence_rule(key: str, refuses: Callable[[RunInputs], bool], why: str, fix: str) -> Rule:
-    """A setting that does not compose with sequence ranks yet (``terapipe.sequence_parallel`` > 1)."""
+def _sequence_rule(key: str, refuses: Callable[[RunInputs], bool], setting: str, why: str, fix: str) -> Rule:
+    """``setting`` (of ``key``) does not compose with sequence ranks (``terapipe.sequence_parallel`` > 1) yet."""
     return Rule(("terapipe.sequence_parallel", key), lambda i: i.terapipe.sequence_parallel > 1 and refuses(i),
                 lambda i: f"terapipe.sequence_parallel: {i.terapipe.sequence_parallel} sequence ranks do not run with "
-                          f"{key} yet ({why}); {fix}")
+                          f"{setting} yet ({why}); {fix}")
 
 
 SEQUENCE_RULES: tuple[Rule, ...] = (
-    _sequence_rule("terapipe.slices \"auto\"", lambda i: i.terapipe.auto,
+    _sequence_rule("terapipe.slices", lambda i: i.terapipe.auto, "terapipe.slices \"auto\"",
                    "the planner profiles a stage without its sequence group's exchanges",
                    "give the slices (each a multiple of the sequence ranks) or set sequence_parallel 1"),
-    _sequence_rule("terapipe.cuda_graphs", lambda i: i.terapipe.cuda_graphs,
+    _sequence_rule("terapipe.cuda_graphs", lambda i: i.terapipe.cuda_graphs, "terapipe.cuda_graphs",
                    "the all-to-alls are collectives a captured block would replay unordered with the transfers",
                    "set cuda_graphs false"),
-    _sequence_rule("terapipe.compile_blocks", lambda i: bool(i.terapipe.compile_blocks),
+    _sequence_rule("terapipe.compile_blocks", lambda i: bool(i.terapipe.compile_blocks), "terapipe.compile_blocks",
                    "untested: the exchanges run inside the compiled block's attention", "set compile_blocks to null"),
 )
 RULES = RULES + SEQUENCE_RULES

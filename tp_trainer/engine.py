@@ -138,6 +138,12 @@ class TeraPipeEngine(PipelineEngine):
                               cut_graphs=lambda: ds_compat.detach_flat_copies(self.optimizer, params))
 
     @property
+    def writes_stage_files(self) -> bool:
+        """Whether this rank writes its stage's part of a saved model (HF export, layout-free checkpoint,
+        adapter): the first replica's, and of its sequence ranks the first (they hold the same tensors)."""
+        return self.grid.data_parallel_id == 0 and (self.shard is None or self.shard.rank == 0)
+
+    @property
     def weight_grads_mode(self) -> str:
         """How weight gradients run, for the ``plan:`` log line."""
         return self.grad_sink.choice.describe()

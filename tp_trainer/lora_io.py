@@ -36,7 +36,7 @@ def save_adapter(engine, output_dir: str, atomic: bool = True) -> str:
     a checkpoint's tag directory whose COMPLETE marker comes later). Returns ``output_dir``."""
     import torch.distributed as dist
     module = engine.module
-    state = adapter_state(module) if engine.grid.data_parallel_id == 0 else {}
+    state = adapter_state(module) if engine.writes_stage_files else {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, state)
     if dist.get_rank() == 0:

@@ -117,7 +117,7 @@ def save_hf_checkpoint(engine, output_dir: str, config, tokenizer=None, generati
     if box[0][1]:
         raise CheckpointError(f"save_hf_checkpoint {output_dir}: {box[0][1]}")
     tmp, stage, stages = box[0][0], engine.stage_id, engine.num_stages
-    writer = engine.grid.data_parallel_id == 0
+    writer = engine.writes_stage_files
     tensors = (state or stage_state)(engine.module) if writer else {}
     held = [None] * world
     dist.all_gather_object(held, (stage, sorted(tensors)))

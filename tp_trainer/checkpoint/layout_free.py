@@ -60,7 +60,7 @@ def save(engine, tag_dir: str) -> None:
         for name in stage_names:
             first[name] = min(first.get(name, stage), stage)
     mine = sorted(name for name in names if first[name] == engine.stage_id)
-    writer = engine.grid.data_parallel_id == 0
+    writer = engine.writes_stage_files
     weights, states = _gather(engine, names, params, set(mine), show=dist.get_rank() == 0)
     outcome = _write(tag_dir, engine.stage_id, weights, states) if writer else None
     outcomes = [None] * dist.get_world_size()

@@ -306,9 +306,8 @@ TOUCHES = (
     # ------------------------------------------------------------------ topology, comm, config
     Touch(GRID, "stage_to_global", "Global rank of a stage in this replica, keyword stage_id.", PIPE_SINCE,
           ("tp_trainer/engine.py",), params=("self", "stage_id")),
-    Touch(GRID, "data_parallel_id", "This rank's replica index (data sharding, HF export writer).", PIPE_SINCE,
-          ("tp_trainer/run.py", "tp_trainer/checkpoint/hf_save.py", "tp_trainer/checkpoint/layout_free.py",
-           "tests/pipeline_harness.py"), instance_attr=True,
+    Touch(GRID, "data_parallel_id", "This rank's replica index (data sharding, the writer of saved stages).",
+          PIPE_SINCE, ("tp_trainer/run.py", "tp_trainer/engine.py", "tests/pipeline_harness.py"), instance_attr=True,
           source=(("__init__", ("self.data_parallel_id = self.get_data_parallel_id()",)),)),
     Touch("deepspeed.runtime.pipe.topology:PipeDataParallelTopology", "__init__", "The stage of a rank before "
           "any module exists (checkpoint.hf_load).", PIPE_SINCE, ("tp_trainer/checkpoint/hf_load.py",),
