@@ -178,6 +178,7 @@ def test_the_plan_line_says_what_a_step_computes(tmp_path, caplog):
     mode = f"in B ({choices.weight_grads_in_b})"
     engine = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}"), run_plan=SimpleNamespace(report=None),
                              captured=None, schedule_name="gpipe", num_stages=2, weight_grads_mode=mode,
+                             shard=None, dp_world_size=1,
                              device=torch.device("cpu"), slice_context=SliceContext())
     with caplog.at_level(logging.INFO, logger="tp_trainer"):
         _write_plan(engine, str(tmp_path), choices)

@@ -155,3 +155,51 @@ def test_two_launchers_with_hostfile_equal_one(tmp_path):
 
     assert [step for step, _ in losses(two)] == [1, 2, 3]
     assert losses(two) == losses(one)  # bit for bit: json keeps every digit of the float
+
+
+def sequence_config(tmp_path, sequence_ranks: int) -> str:
+    """small_config on 2 stages with ``sequence_ranks`` per stage (its slices [24, 16, 16, 8] are even)."""
+    config = json.loads(open(small_config(tmp_path)).read())
+    config["pipeline"]["stages"] = 2
+    config["terapipe"]["sequence_parallel"] = sequence_ranks
+    path = tmp_path / f"ds-sp{sequence_ranks}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@needs_launcher
+def test_two_nodes_of_two_sequence_ranks_train_export_and_resume_on_one(tmp_path):
+    """The main job on 2 stages x 2 sequence ranks, one stage's sequence group per node (two launchers,
+    2 slots each): it trains, evaluates, saves, exports an HF model that loads; the checkpoint then resumes
+    on 2 stages x 1 (one launcher, 2 ranks) through the layout-free form and trains on."""
+    from transformers import GPT2LMHeadModel
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    out, env = tmp_path / "run", launcher_env(free_port())
+    flags = ["--deepspeed_config", sequence_config(tmp_path, 2), "--max_steps", "2", "--eval_interval", "2",
+             "--eval_batches", "1", "--save_interval", "2", "--output_dir", str(out)]
+    nodes = [subprocess.Popen(["bash", MULTINODE, str(hostfile), str(rank), "127.0.0.1", *flags], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    for rank, (node, log) in enumerate(zip(nodes, logs)):
+        assert node.returncode == 0, f"node {rank}:\n{log[-4000:]}"
+    assert "2 stages x 2 sequence ranks" in logs[0] and "step 2 validation loss" in logs[0], logs[0][-3000:]
+    assert json.loads((out / "plan.json").read_text())["sequence_ranks"] == 2
+    exported = GPT2LMHeadModel.from_pretrained(out / "hf_model")
+    assert exported.config.n_layer == 4
+
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
+           "--deepspeed_config", sequence_config(tmp_path, 1), "--max_steps", "3", "--eval_interval", "100",
+           "--eval_batches", "1", "--no_save_hf", "--resume", "--output_dir", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "resumed from step2 at step 2" in log and "layout-free" in log, log[-3000:]
+    assert [step for step, _ in losses(out)][-1] == 3

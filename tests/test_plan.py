@@ -97,6 +97,7 @@ def _engine(attention):
     plan = SlicePlan(16, (8, 8))
     return types.SimpleNamespace(plan=plan, run_plan=RunPlan(plan, "gpipe"), schedule_name="gpipe", num_stages=1,
                                  weight_grads_mode="in B", device=torch.device("cpu"), captured=None, stage_id=0,
+                                 shard=None, dp_world_size=1,
                                  slice_context=SliceContext("sdpa", attention))
 
 

@@ -67,3 +67,17 @@ def test_a_block_that_does_not_attend_through_the_slice_attention_is_refused():
         TeraPipeModule._check_sequence_attention(module)
     block.spans = True
     TeraPipeModule._check_sequence_attention(module)
+
+
+def test_a_sequence_group_stays_on_one_node(monkeypatch):
+    """A node whose ranks are not a multiple of the sequence ranks would split a group over nodes."""
+    from tp_trainer.checks import check_sequence_ranks
+    from tp_trainer.config import ConfigError, TeraPipeConfig
+    from transformers import GPT2Config
+    terapipe, config = TeraPipeConfig(seq_len=16, slices=[8, 8], sequence_parallel=2), GPT2Config(n_head=4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"terapipe.sequence_parallel: 2 sequence ranks would span nodes: this "
+                                          r"node runs 3 ranks .* give every node a multiple of 2 slots"):
+        check_sequence_ranks(terapipe, config)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_sequence_ranks(terapipe, config)

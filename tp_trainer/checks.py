@@ -199,6 +199,12 @@ def check_sequence_ranks(terapipe: TeraPipeConfig, model_config) -> None:
     if terapipe.seq_len % size:
         raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} is not a multiple of terapipe.sequence_parallel "
                           f"{size}; change one of them")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)   # DeepSpeed's launcher: this node's ranks
+    if local % size:
+        raise ConfigError(f"terapipe.sequence_parallel: {size} sequence ranks would span nodes: this node runs "
+                          f"{local} ranks (LOCAL_WORLD_SIZE), and a sequence group is {size} consecutive ranks of "
+                          f"one node (its all-to-alls need the node's links); give every node a multiple of {size} "
+                          f"slots in the hostfile, or change sequence_parallel")
     heads = getattr(model_config, "num_attention_heads", None) or model_config.n_head
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     problem = head_problem(heads, kv_heads, size)

@@ -129,8 +129,14 @@ def deepspeed_resumes(layout: dict) -> bool:
     return not (layout["precision"] == "bf16" and layout["zero_stage"] == 0)
 
 
+def written_layout(state: dict) -> dict:
+    """The layout a checkpoint's manifest records (one written before sequence ranks: 1 per stage)."""
+    return {"sequence_ranks": 1, **state["layout"]}
+
+
 def current_layout(engine) -> dict:
-    return {"stages": engine.num_stages, "replicas": engine.dp_world_size,
+    return {"stages": engine.num_stages, "sequence_ranks": engine.shard.size if engine.shard is not None else 1,
+            "replicas": engine.dp_world_size,
             "zero_stage": engine.choices.zero_stage, "precision": engine.choices.precision}
 
 
@@ -161,7 +167,7 @@ def load(engine, point) -> tuple[int, int, bool]:
         engine.global_steps = state["step"]
         engine.global_samples = state["step"] * engine.train_batch_size()
         rng = os.path.join(tag_dir, f"rng_rank{engine.global_rank}.pt")
-        if state["layout"] == current_layout(engine) and os.path.isfile(rng):  # its own layout: its own RNGs
+        if written_layout(state) == current_layout(engine) and os.path.isfile(rng):  # its own layout: its own RNGs
             _set_rng_state(torch.load(rng, weights_only=False))
         else:
             _reseed(state["step"], engine.global_rank)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from .checkpoint import layout_free
 from .choices import compute_dtype_name
 from .config import ConfigError, pipeline_stages
-from .resume import MANIFEST, deepspeed_resumes, model_record, resolve_resume
+from .resume import MANIFEST, deepspeed_resumes, model_record, resolve_resume, written_layout
 
 RESET_OPTIMIZER = "--reset_optimizer"
 RESET_DATA = "--reset_data_position"
@@ -57,7 +57,7 @@ def check_resume(output_dir: str, resume: str, ds_config: dict, model_config_for
         check_global_batch(where, state["global_batch"], global_batch(ds_config, layout["replicas"]))
     if not reset_optimizer:
         check_optimizer(where, state["optimizer"]["type"], optimizer_type(ds_config))
-    same = state["layout"] == layout and not reset_optimizer and deepspeed_resumes(layout)
+    same = written_layout(state) == layout and not reset_optimizer and deepspeed_resumes(layout)
     if not same and state["layout_free"] is None:
         raise ConfigError(f"{where} has no layout-free form ({state['layout']['precision']} without ZeRO "
                           f"keeps only DeepSpeed's files); resume it on its own layout {describe(state['layout'])}, "
@@ -68,15 +68,17 @@ def check_resume(output_dir: str, resume: str, ds_config: dict, model_config_for
 
 def run_layout(ds_config: dict, world_size: int) -> dict:
     """This run's layout, as ``resume.current_layout`` records an engine's."""
-    stages = pipeline_stages(ds_config, world_size)
+    sequence_ranks = ds_config.get("terapipe", {}).get("sequence_parallel", 1)
+    stages = pipeline_stages(ds_config, world_size, sequence_ranks)
     precision = compute_dtype_name(ds_config)
-    return {"stages": stages, "replicas": world_size // stages,
+    return {"stages": stages, "sequence_ranks": sequence_ranks, "replicas": world_size // (stages * sequence_ranks),
             "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0), "precision": precision}
 
 
 def describe(layout: dict) -> str:
-    return (f"{layout['stages']} stage(s) x {layout['replicas']} replica(s), ZeRO {layout['zero_stage']}, "
-            f"{layout['precision']}")
+    ranks = layout.get("sequence_ranks", 1)
+    return (f"{layout['stages']} stage(s)" + (f" x {ranks} sequence ranks" if ranks > 1 else "")
+            + f" x {layout['replicas']} replica(s), ZeRO {layout['zero_stage']}, {layout['precision']}")
 
 
 def global_batch(ds_config: dict, replicas: int) -> int:

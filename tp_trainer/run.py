@@ -143,9 +143,19 @@ def _write_plan(engine, output_dir: str, choices=None) -> None:
                         "included, which the captured units do not pay; on a GPU give terapipe.slices explicitly "
                         "(scripts/gpu_check.sh reports the plan for captured units)")
     computes = f", {choices.summary}" if choices is not None else ""
-    log.info("plan: %s%s, schedule %s, %d stages, weight gradients: %s, slice attention %s", engine.plan,
-             computes, engine.schedule_name, engine.num_stages, engine.weight_grads_mode,
+    log.info("plan: %s%s, schedule %s, %s, weight gradients: %s, slice attention %s", engine.plan,
+             computes, engine.schedule_name, layout_words(engine), engine.weight_grads_mode,
              engine.slice_context.attention.describe(engine.device.type, dtype))
+
+
+def layout_words(engine) -> str:
+    """"2 stages", or with sequence ranks and replicas "2 stages x 2 sequence ranks x 2 replicas"."""
+    words = [f"{engine.num_stages} stages"]
+    if engine.shard is not None:
+        words.append(f"{engine.shard.size} sequence ranks (each slice's tokens split over them)")
+    if engine.dp_world_size > 1:
+        words.append(f"{engine.dp_world_size} replicas")
+    return " x ".join(words)
 
 
 def _write_plan_json(engine, output_dir: str, dtype: str, fallbacks: list | None = None) -> None:
@@ -153,7 +163,8 @@ def _write_plan_json(engine, output_dir: str, dtype: str, fallbacks: list | None
     kind of slice and, once the run has given any up, its ``fallbacks``)."""
     import json
     attention = engine.slice_context.attention
-    data = {**json.loads(engine.plan.to_json()),
+    data = {**json.loads(engine.plan.to_json()), "stages": engine.num_stages,
+            "sequence_ranks": engine.shard.size if engine.shard is not None else 1, "replicas": engine.dp_world_size,
             "attention": {"kernel": attention.chosen, "kinds": attention.kinds(engine.device.type, dtype)}}
     if fallbacks:
         data["attention"]["fallbacks"] = fallbacks
