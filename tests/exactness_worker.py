@@ -40,10 +40,8 @@ def main(world, out_dir, keep=lambda case: True):
     results = {name: run_case(case, dtype, os.path.join(out_dir, f"hf-{name}") if exports(case) else None)
                for name, case, dtype in case_runs(world, keep)}
     results.update({f"{case['name']}@{key}": packed_cases.train(case, dtype)   # packed examples
-                    for case in packed_cases.cases(world) + sequence_cases.packed(world)
-                    for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
-    results.update({f"{case['name']}@{key}": sequence_cases.train(case, dtype)   # sequence ranks
-                    for case in sequence_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+                    for case in packed_cases.cases(world) for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+    results.update(sequence_cases.runs(world))   # sequence ranks
     harness.save_rank(results, out_dir)
     if world == 2:  # bf16 and bf16 + ZeRO-1 with LoRA: what the optimizers keep (test_lora.py)
         lora_cases.precision_runs(world, out_dir)

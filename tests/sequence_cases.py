@@ -43,6 +43,31 @@ def cases(world: int) -> list[dict]:
     return []
 
 
+def bf16_cases(world: int) -> list[dict]:
+    """bf16 over sequence ranks, judged against the fp32 HF run (test_sequence_ranks.py): DeepSpeed's bf16
+    optimizer without ZeRO (1 stage x 2), ZeRO-1's optimizer in bf16 (2 stages x 2, grouped-query heads)."""
+    chosen = {2: (_case(1, "gpt2", True, "gpipe", dtypes=("bf16",)), 0),
+              4: (_case(2, "llama-gqa", False, "1f1b", dtypes=("bf16",)), 1)}
+    if world not in chosen:
+        return []
+    case, zero = chosen[world]
+    return [{**case, "name": f"{case['name']}-bf16-zero{zero}", "bf16_zero": zero}]
+
+
+def runs(world: int) -> dict:
+    """What a launch of ``world`` ranks trains of these cases: {"<name>@<f64 | f32 | bf16>": this rank's result}."""
+    out = {f"{case['name']}@{key}": train(case, dtype) for case in cases(world)
+           for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
+    out.update({f"{case['name']}@{key}": packed_cases.train(case, dtype) for case in packed(world)
+                for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+    for case in bf16_cases(world):
+        config = ds_config(case)
+        config.update(bf16={"enabled": True}, zero_optimization={"stage": case["bf16_zero"]})
+        config["optimizer"]["params"].pop("torch_adam")
+        out[f"{case['name']}@bf16"] = train(case, torch.float32, config)
+    return out
+
+
 def packed(world: int) -> list[dict]:
     """Packed examples over 2 sequence ranks (packed_cases.train): 1 stage (2 ranks), 2 stages (4 ranks).
     packed_cases' first block holds examples of 5, 6 and 5 tokens: with slices [6, 4, 4, 2] the first
@@ -76,11 +101,12 @@ def ds_config(case: dict) -> dict:
     return config
 
 
-def train(case: dict, dtype: torch.dtype) -> dict:
-    """One rank's run of the case (pipeline_harness.train_case)."""
+def train(case: dict, dtype: torch.dtype, config: dict | None = None) -> dict:
+    """One rank's run of the case (pipeline_harness.train_case), under ``config`` (default ``ds_config``)."""
     import lora_cases
     import pipeline_harness as harness
-    return harness.train_case(model(case, dtype), ds_config(case), lambda step, replica: ec.batches(case, step, replica),
+    return harness.train_case(model(case, dtype), config or ds_config(case),
+                              lambda step, replica: ec.batches(case, step, replica),
                               ec.STEPS, lambda replica: ec.batches(case, ec.EVAL_STEP, replica),
                               inspect=lora_cases.footprint if case["lora"] is not None else None)
 

@@ -47,6 +47,23 @@ def test_packed_examples_over_sequence_ranks(exactness_runs, case):
     (4, 4, 3, "its 4 attention heads do not split over 3 sequence ranks"),
     (12, 3, 2, "its 3 key/value heads neither split over 2 sequence ranks nor divide 2"),
     (24, 6, 4, "its 6 key/value heads neither split over 4 sequence ranks nor divide 4")])
+BF16 = [case for world in WORLDS for case in sc.bf16_cases(world)]
+BF16_TOL = 2e-4   # relative: the loss of each step and the eval loss (measured ~3e-5)
+
+
+@pytest.mark.parametrize("case", BF16, ids=[c["name"] for c in BF16])
+def test_bf16_over_sequence_ranks_follows_fp32(exactness_runs, case):
+    """bf16 (DeepSpeed's bf16 optimizer without ZeRO, ZeRO-1's in bf16) over 2 sequence ranks: the losses and
+    the eval loss follow the fp32 HF run to bf16's precision, and the sequence ranks hold the same weights
+    (merge_ranks). The weights are not compared: Adam turns bf16's rounding of the small gradients into
+    whole steps of either sign."""
+    got, fp32 = exactness_runs[f"{case['name']}@bf16"], sc.reference(case, torch.float32)
+    assert got["sequence_ranks"] == {0, 1}
+    for step, (mine, theirs) in enumerate(zip(got["losses"], fp32["losses"], strict=True)):
+        assert abs(mine - theirs) <= BF16_TOL * abs(theirs), f"step {step}: bf16 loss {mine}, fp32 {theirs}"
+    assert abs(got["eval"] - fp32["eval"]) <= BF16_TOL * abs(fp32["eval"])
+
+
 def test_heads_split_or_replicate_over_the_sequence_ranks(heads, kv_heads, size, problem):
     from tp_trainer.model.slices.sequence_ranks import head_problem
     got = head_problem(heads, kv_heads, size)

@@ -32,6 +32,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from .check import check_override, check_touch
@@ -44,7 +45,8 @@ __all__ = ["PINNED", "OVERRIDES", "TOUCHES", "Touch", "check_touch", "check_over
            "shared_memory_op_loaded", "shared_memory_reduce",
            "uses_bf16_optimizer", "tied_duplicate_weights", "stage_of_rank", "set_layer_bounds", "hp_mapping",
            "link_optimizer_state", "relink_optimizer_state", "MasterGrads", "bf16_fold_config", "fold_as_made", "loss_scaler", "clip_by_pipeline_norm",
-           "sequence_all_to_all", "sum_over_sequence", "pipeline_topology", "sequence_shard_of"]
+           "sequence_all_to_all", "sum_over_sequence", "pipeline_topology", "sequence_shard_of",
+           "optimizers_see_one_sequence_rank"]
 
 
 # ----------------------------------------------------------------------------- engine calls
@@ -339,6 +341,31 @@ def pipeline_topology(stages: int, sequence_ranks: int, world_size: int):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     return PipeModelDataParallelTopology(num_pp=stages, num_mp=sequence_ranks,
                                          num_dp=world_size // (stages * sequence_ranks))
+
+
+def optimizers_see_one_sequence_rank(grid) -> None:
+    """DeepSpeed's grid of a run with sequence ranks, made to show its optimizers each sequence rank as
+    the rank of a pipeline without them (a class swap to ``_SequenceRanksGrid``): once the engine has
+    summed the gradients over the sequence group (``sum_over_sequence``) the ranks' gradients are equal,
+    so each takes every gradient into its norm (tensor-parallel rank 0) and sums the squares over its
+    pipeline only (its model-parallel group: the pipe group). DeepSpeed's own view (the 'model' axis
+    as tensor slicing) would count them on sequence rank 0 alone, and its bf16 optimizer then fails on
+    the other ranks with nothing to count (``get_global_norm_of_tensors``: "stack expects a non-empty
+    TensorList"). The checkpoint names (``get_model_parallel_rank``) stay DeepSpeed's: one per rank."""
+    grid.__class__ = _SequenceRanksGrid
+
+
+class _SequenceRanksGrid(PipelineParallelGrid):
+    """``optimizers_see_one_sequence_rank``'s view of DeepSpeed's grid."""
+
+    def get_tensor_model_parallel_rank(self):
+        return 0
+
+    def get_tensor_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_group(self):
+        return self.pp_proc_group
 
 
 def sequence_shard_of(grid):

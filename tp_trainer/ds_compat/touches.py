@@ -321,6 +321,15 @@ TOUCHES = (
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "num_pp", "num_mp", "num_dp")),
     Touch(GRID, "get_slice_parallel_group", "The sequence group: the grid's group over the 'model' axis.",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch(GRID, "get_tensor_model_parallel_rank", "Sequence ranks: 0 for the optimizers' norms "
+          "(ds_compat.optimizers_see_one_sequence_rank overrides it).", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch(GRID, "get_model_parallel_group", "Sequence ranks: the pipe group for the optimizers' norms "
+          "(ds_compat.optimizers_see_one_sequence_rank overrides it).", PIPE_SINCE,
+          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+    Touch(GRID, "pp_proc_group", "The pipe group, what the overridden get_model_parallel_group returns.",
+          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          source=(("__init__", ("self.pp_proc_group = proc_group",)),)),
     Touch(GRID, "get_slice_parallel_rank", "This rank's place in its sequence group.", PIPE_SINCE,
           ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
     Touch("deepspeed.sequence.layer:_SeqAllToAll", "forward", "Ulysses' all-to-all with its autograd "

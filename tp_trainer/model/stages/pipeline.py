@@ -9,7 +9,8 @@ from deepspeed.utils import logger
 from deepspeed import comm as dist
 
 from ...config import ConfigError
-from ...ds_compat import pipeline_topology, sequence_shard_of, set_layer_bounds, stage_of_rank
+from ...ds_compat import (optimizers_see_one_sequence_rank, pipeline_topology, sequence_shard_of,
+                          set_layer_bounds, stage_of_rank)
 from ..slices.sequence_ranks import SequenceShard
 from ..families.adapters import adapter_for
 from .stage_specs import split_specs
@@ -32,6 +33,7 @@ class TeraPipeModule(PipelineModule):
         super().__init__(layers, num_stages=stages, topology=topology, partition_method="terapipe", **kwargs)
         if sequence_ranks > 1:
             slice_context.shard = SequenceShard(*sequence_shard_of(self._grid))
+            optimizers_see_one_sequence_rank(self._grid)
             self._check_sequence_attention()
 
     def _check_sequence_attention(self) -> None:
