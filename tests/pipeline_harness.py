@@ -67,6 +67,32 @@ def ds_config(stages: int, microbatches: int, micro_batch: int, seq_len: int, sl
     }
 
 
+_GROUPS: dict = {}   # ranks -> the process group made for them in this process (reuse_process_groups)
+
+
+def reuse_process_groups() -> None:
+    """Make ``deepspeed.comm.new_group`` return the group already made for the same ranks, in this process.
+
+    Every ``initialize`` builds DeepSpeed's grid anew (~10 gloo groups, one per rank even for the 1-rank
+    slice groups), and each gloo group keeps threads that poll (``gloo_tcp_loop``): a launch training a
+    hundred cases ended with ~800 threads a rank, which took ~23% of a core per rank while the rank's own
+    thread got 1-5%. A real run initializes once. Reusing the groups is safe here: every rank of a launch
+    trains the same cases in the same order, so every rank asks for the same groups in the same order and
+    hits (or misses) the cache alike, as ``new_group`` (collective) needs."""
+    from deepspeed import comm as dist
+    if getattr(dist.new_group, "reuses", False):
+        return
+    make = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        key = (tuple(ranks) if ranks is not None else None, args, tuple(sorted(kwargs.items())))
+        if key not in _GROUPS:
+            _GROUPS[key] = make(ranks, *args, **kwargs)
+        return _GROUPS[key]
+    new_group.reuses = True
+    dist.new_group = new_group
+
+
 def train_case(model, config: dict, batches, steps: int, eval_batches=None, split=None, export=None,
                inspect=None) -> dict:
     """Train ``model`` through TeraPipeEngine ``steps`` steps; ``batches(step, replica)`` gives the
@@ -91,6 +117,7 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
         split = StageSplit.from_names(split)
 
     graphs_before = dynamo_graphs()
+    reuse_process_groups()
     engine, *_ = initialize(model, config, split=split)
     named = hf_named_parameters(engine.module)
     grads = {}
