@@ -6,7 +6,7 @@
 # torch, only torch is swapped. Without a GPU the normal setup runs and steps 4-5 run on the CPU;
 # the GPU-only steps are reported as skipped, with the reason. With no package index (a lent GPU
 # box whose python already holds a CUDA torch): GPU_CHECK_PYTHON=python3 GPU_CHECK_WHEELS=DIR
-# (see the branch below; benchmarks/README.md "gpu_check.py" says which wheels).
+# (see the branch below; benchmarks/README.md "GPU machinery" says which wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CUDA_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
