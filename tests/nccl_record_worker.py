@@ -1,7 +1,11 @@
 """tests/test_nccl_model.py's recorded runs: a tiny GPT-2 pipeline trained 2 steps in fp32 with every
-``deepspeed.comm`` call of the second step recorded (kind, peer or group, and each wait), written to
-OUT_DIR/CASE.rankR.json for the NCCL model (``schedule/nccl_model.py``). ``main`` runs the cases of
-this launch's world size; tests/exactness_worker.py calls it last in each of its launches.
+``deepspeed.comm`` call of the second step recorded (kind; peer, or group with its name, the function
+and its tensors' elements and dtype; each wait), written to OUT_DIR/CASE.rankR.json for the NCCL model
+(``schedule/nccl_model.py``, ``schedule/calls.recorded_calls``). Cases: 2 and 3 stages, gpipe and 1f1b;
+2 stages x 2 replicas with ZeRO-1; 2 stages x 2 sequence ranks (tests/sequence_cases.py's configs:
+slices [6, 4, 4, 2], ``terapipe.sequence_parallel`` 2), gpipe and 1f1b with activation checkpointing,
+whose F and B exchange through ``all_to_all_single`` on each stage's sequence group. ``main`` runs the
+cases of this launch's world size; tests/exactness_worker.py calls it last in each of its launches.
 
 Usage: nccl_record_worker.py CASES OUT_DIR   (CASES: comma-separated names of ``CASES`` below)
 """
@@ -14,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import exactness_cases as ec  # noqa: E402
+import sequence_cases  # noqa: E402
 
 from tp_trainer.failures import leave  # noqa: E402
 
@@ -21,10 +26,14 @@ CASES = {"pp2-gpipe": ec._case(2, 2, "uneven", True, "gpipe"),
          "pp2-1f1b": ec._case(2, 3, "uneven", True, "1f1b"),
          "pp3-gpipe": ec._case(3, 2, "uneven", True, "gpipe"),
          "pp3-1f1b": ec._case(3, 3, "uneven", True, "1f1b"),
-         "pp2-dp2-zero1": ec._case(2, 2, "uneven", True, "gpipe", replicas=2, zero=1)}
+         "pp2-dp2-zero1": ec._case(2, 2, "uneven", True, "gpipe", replicas=2, zero=1),
+         "pp2-sp2-gpipe": sequence_cases._case(2, "gpt2", True, "gpipe"),
+         "pp2-sp2-1f1b-ckpt": sequence_cases._case(2, "gpt2", False, "1f1b", ckpt=True)}
 P2P = {"isend": "send", "irecv": "recv", "send": "send", "recv": "recv"}
-COLLECTIVES = ("all_reduce", "inference_all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter", "reduce_scatter_tensor", "reduce", "barrier", "all_reduce_coalesced")
+# each collective of deepspeed.comm -> the position of its group argument (deepspeed/comm/comm.py)
+COLLECTIVES = {"all_reduce": 2, "inference_all_reduce": 2, "broadcast": 2, "all_gather": 2,
+               "all_gather_into_tensor": 2, "reduce_scatter": 3, "reduce_scatter_tensor": 3, "reduce": 3,
+               "barrier": 0, "all_reduce_coalesced": 2, "all_to_all_single": 4, "all_to_all": 2}
 
 
 class Recorder:
@@ -59,11 +68,23 @@ class Recorder:
             peer = args[1] if peer is None and len(args) > 1 else peer
             return {"kind": P2P[name], "peer": int(peer)}
         group = kwargs.get("group")
-        if group is None:   # positional: all_reduce(tensor, op, group), broadcast(tensor, src, group)
-            group = args[2] if name in ("all_reduce", "inference_all_reduce", "broadcast", "reduce") and \
-                len(args) > 2 else None
+        if group is None and len(args) > COLLECTIVES[name]:   # positional: all_reduce(tensor, op, group), ...
+            group = args[COLLECTIVES[name]]
         ranks = td.get_process_group_ranks(group) if group is not None else list(range(td.get_world_size()))
-        return {"kind": "collective", "group": sorted(ranks), "op": name}
+        tensors = list(_tensors((*args, *kwargs.values())))
+        return {"kind": "collective", "group": sorted(ranks), "op": name,
+                "name": getattr(group, "group_name", None) if group is not None else None,
+                "numel": sum(tensor.numel() for tensor in tensors),
+                "dtype": str(tensors[0].dtype) if tensors else None}
+
+
+def _tensors(values):
+    """The tensors among a call's arguments, inside lists and tuples too."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
 
 
 class RecordedWork:
@@ -91,9 +112,11 @@ def main(names: str, out_dir: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     for name in names.split(","):
         case = CASES[name]
-        if case["stages"] * case["replicas"] != world:
+        if case["stages"] * case["replicas"] * case.get("sequence_ranks", 1) != world:
             continue
-        engine, *_ = initialize(ec.tiny_model(case["tied"]), ec.ds_config(case))
+        sequence = "sequence_ranks" in case
+        engine, *_ = initialize(sequence_cases.model(case) if sequence else ec.tiny_model(case["tied"]),
+                                sequence_cases.ds_config(case) if sequence else ec.ds_config(case))
         replica = engine.grid.data_parallel_id
         engine.train_batch(iter(ec.batches(case, 0, replica)))
         recorder.calls, recorder.on = [], True

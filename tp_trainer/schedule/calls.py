@@ -10,18 +10,33 @@ the engine issues them (``engine._run``, ``p2p.Transfers``, ``engine.reduce_tied
     "safe"   as "ahead", but never before a send to the same peer that comes earlier in the
              schedule: on a communicator the rank's calls stay in the schedule's order;
   a receive is waited for at its instruction;
-- collectives: the tied all-reduce (``ReduceTiedGrads``) among a replica's first and last stage; the
-  data-parallel reduction (``ReduceGrads``) among a stage's replicas; the clipping norm at
-  ``OptimizerStep`` among all ranks; after the schedule, once every send completed, the step's loss
-  broadcast among a replica's stages (``engine.step_loss``).
+- with sequence ranks (``Grid.sequence_ranks`` N > 1: each stage's N ranks share its slices' tokens,
+  model/slices/sequence_ranks.py): each F and B issues its stage's sequence-group all-to-alls
+  (DeepSpeed's ``_SeqAllToAll``, blocking: later calls carry what they computed), per attention layer of
+  the stage k, v (the K/V cache's ``update``), q and the attention output in F; in B, from the last
+  layer back, the output's, q's, v's and k's, after the layer's forward four again where activations are
+  checkpointed (recomputed inside the backward); rank r of stage i exchanges with rank r of stage i + 1;
+- collectives: the tied all-reduce (``ReduceTiedGrads``) among a replica's first and last stage; at
+  ``ReduceGrads`` the sum over the sequence group (``ds_compat.sum_over_sequence``), then the
+  data-parallel reduction among a stage's replicas; the clipping norm at ``OptimizerStep`` among all
+  ranks; after the schedule, once every send completed, the step's loss (``engine.step_loss``): on the
+  last stage summed over its sequence group and averaged over the replicas, then broadcast among a
+  replica's stages. The groups are DeepSpeed's grid's: one per (replica, sequence rank) for the tied
+  weights and the stages, one per (stage, sequence rank) for the replicas, one per (replica, stage)
+  for the sequence ranks.
 ``keying``: "pair" (an un-batched isend/irecv goes to a 2-rank communicator per pair of ranks, as
 ``ProcessGroupNCCL`` keys it) or "group" (every point-to-point call on the group's communicator, as
-``batch_isend_irecv`` does). Rank of (stage s, replica r): r x stages + s.
+``batch_isend_irecv`` does). Rank of (stage s, sequence rank q, replica r): (r x stages + s) x N + q.
+Every collective names its ``op`` (what it carries, the same on each member).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .instructions import (
+    BackwardSlice,
+    ForwardSlice,
     OptimizerStep,
     RecvActivation,
     RecvGrad,
@@ -34,15 +49,37 @@ from .orders import build_schedule
 RECEIVES = (RecvActivation, RecvGrad)
 
 
+@dataclass(frozen=True)
+class Grid:
+    """A run's ranks: ``stages`` x ``sequence_ranks`` x ``replicas``; ``layers``: attention layers per
+    stage (each F and B exchanges per layer); ``checkpointing``: B recomputes the forward's exchanges."""
+
+    stages: int
+    replicas: int = 1
+    sequence_ranks: int = 1
+    layers: int = 1
+    checkpointing: bool = False
+
+    def rank(self, stage: int, replica: int, sequence_rank: int = 0) -> int:
+        return (replica * self.stages + stage) * self.sequence_ranks + sequence_rank
+
+    def suffix(self, sequence_rank: int) -> str:
+        """What tells a sequence rank's groups apart (nothing without sequence ranks)."""
+        return f".{sequence_rank}" if self.sequence_ranks > 1 else ""
+
+
 def pipeline_calls(name: str, stages: int, microbatches: int, slices: int, replicas: int = 1,
-                   posting: str = "safe", keying: str = "pair", **schedule_kwargs) -> dict[int, list]:
-    """{rank: calls} of a whole pipeline (every stage of every replica) for schedule ``name``."""
-    programs = {}
+                   posting: str = "safe", keying: str = "pair", sequence_ranks: int = 1, layers: int = 1,
+                   checkpointing: bool = False, **schedule_kwargs) -> dict[int, list]:
+    """{rank: calls} of a whole pipeline (every stage, sequence rank and replica) for schedule ``name``."""
+    grid, programs = Grid(stages, replicas, sequence_ranks, layers, checkpointing), {}
     for replica in range(replicas):
         for stage in range(stages):
             flat = [ins for step in build_schedule(name, stages, stage, microbatches, slices, **schedule_kwargs)
                     for ins in step]
-            programs[replica * stages + stage] = lower(flat, stage, stages, replica, replicas, posting, keying)
+            for sequence_rank in range(sequence_ranks):
+                programs[grid.rank(stage, replica, sequence_rank)] = lower(
+                    flat, stage, stages, replica, replicas, posting, keying, grid=grid, sequence_rank=sequence_rank)
     return programs
 
 
@@ -102,13 +139,16 @@ def p2p_comm(rank: int, peer: int, keying: str) -> str:
 
 
 def lower(flat: list, stage: int, stages: int, replica: int, replicas: int, posting: str = "safe",
-          keying: str = "pair") -> list:
-    """One rank's calls for its flattened instructions (see the module docstring)."""
+          keying: str = "pair", grid: Grid | None = None, sequence_rank: int = 0) -> list:
+    """One rank's calls for its flattened instructions (see the module docstring); ``grid`` (default:
+    ``stages`` x ``replicas``, no sequence ranks) and ``sequence_rank`` place the rank."""
     check_keying(keying)
-    rank = replica * stages + stage
+    grid = grid or Grid(stages, replicas)
+    rank, tail = grid.rank(stage, replica, sequence_rank), grid.suffix(sequence_rank)
+    sequence = f"seq{replica}.{stage}" if grid.sequence_ranks > 1 else None
 
     def p2p(ins, kind: str) -> Call:
-        peer = replica * stages + ins.peer_stage
+        peer = grid.rank(ins.peer_stage, replica, sequence_rank)
         return Call(kind, p2p_comm(rank, peer, keying), f"{ins}", peer=peer)
 
     posts = posts_before(flat, posting)
@@ -122,23 +162,60 @@ def lower(flat: list, stage: int, stages: int, replica: int, replicas: int, post
             sends.append(str(ins))
         elif kind in RECEIVES:
             calls.append(Wait(str(ins)))
+        elif kind in (ForwardSlice, BackwardSlice) and sequence:
+            calls += sequence_exchanges(ins, sequence, grid)
         elif kind is ReduceTiedGrads and tied and stages > 1:
-            calls += [Call("collective", f"tied{replica}", f"{ins}"), Wait(f"{ins}")]
-        elif kind is ReduceGrads and replicas > 1:
-            calls += [Call("collective", f"dp{stage}", f"{ins}"), Wait(f"{ins}")]
-        elif kind is OptimizerStep and stages * replicas > 1:
-            calls += [Call("collective", "world", f"{ins}"), Wait(f"{ins}")]
+            calls += collective(f"tied{replica}{tail}", f"{ins}", ins.CODE)
+        elif kind is ReduceGrads:
+            if sequence:
+                calls += collective(sequence, f"{ins}:sequence-sum", "SEQUENCE_SUM")
+            if replicas > 1:
+                calls += collective(f"dp{stage}{tail}", f"{ins}", ins.CODE)
+        elif kind is OptimizerStep and stages * replicas * grid.sequence_ranks > 1:
+            calls += collective("world", f"{ins}", ins.CODE)
     calls += [Wait(label) for label in sends]
+    return calls + step_loss(stage, stages, replica, replicas, sequence, tail)
+
+
+def collective(comm: str, label: str, op: str) -> list:
+    """A blocking collective: issued, then waited for (later calls carry what it computed)."""
+    return [Call("collective", comm, label, op=op), Wait(label)]
+
+
+def sequence_exchanges(ins, comm: str, grid: Grid) -> list:
+    """The all-to-alls one F or B issues on its sequence group ``comm`` (see the module docstring)."""
+    forward = [f"{name}{layer}" for layer in range(grid.layers) for name in ("k", "v", "q", "out")]
+    if type(ins) is ForwardSlice:
+        names = forward
+    else:
+        names = []
+        for layer in reversed(range(grid.layers)):
+            recomputed = [f"re-{name}" for name in forward[4 * layer:4 * layer + 4]] if grid.checkpointing else []
+            names += recomputed + [f"d{name}{layer}" for name in ("out", "q", "v", "k")]
+    return [part for name in names for part in collective(comm, f"{ins}:{name}", f"{ins}:{name}")]
+
+
+def step_loss(stage: int, stages: int, replica: int, replicas: int, sequence: str | None, tail: str) -> list:
+    """``engine.step_loss``'s collectives: the last stage's sums over its sequence group and replicas, then
+    the broadcast from the last stage to the others."""
+    calls = []
+    if stage == stages - 1:
+        if sequence:
+            calls += collective(sequence, "LOSS:sequence", "LOSS_SUM")
+        if replicas > 1:
+            calls += collective(f"dp{stage}{tail}", "LOSS:replicas", "LOSS_SUM")
     if stages > 1:  # the step's loss, from the last stage to the others
-        calls += [Call("collective", f"pipe{replica}", "LOSS"), Wait("LOSS")]
+        calls += collective(f"pipe{replica}{tail}", "LOSS", "LOSS")
     return calls
 
 
 def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pair") -> dict[int, list]:
     """``nccl_model`` calls from the calls a real run recorded per rank (tests/nccl_record_worker.py):
     items ``{"label", "kind": "send" | "recv", "peer"}``, ``{"label", "kind": "collective", "group":
-    [ranks]}`` and ``{"wait": label}``. Point-to-point calls keyed as in ``lower``; a collective's
-    communicator is its group's ranks ("world" for all of them)."""
+    [ranks], "op", "name", "numel", "dtype"}`` (the last four where recorded) and ``{"wait": label}``.
+    Point-to-point calls keyed as in ``lower``; a collective's communicator is its group's ranks
+    ("world" for all of them) and, where recorded, the group's name (two groups of the same ranks are
+    two communicators); its ``op`` the function, the elements of its tensors and their dtype."""
     check_keying(keying)
     programs = {}
     for rank, items in records.items():
@@ -147,11 +224,23 @@ def recorded_calls(records: dict[int, list[dict]], world: int, keying: str = "pa
             if "wait" in item:
                 program.append(Wait(item["wait"]))
             elif item["kind"] == "collective":
-                group = sorted(item["group"])
-                comm = "world" if group == list(range(world)) else "g" + "-".join(map(str, group))
-                program.append(Call("collective", comm, item["label"]))
+                program.append(Call("collective", recorded_comm(item, world), item["label"], op=recorded_op(item)))
             else:
                 peer = item["peer"]
                 program.append(Call(item["kind"], p2p_comm(rank, peer, keying), item["label"], peer=peer))
         programs[rank] = program
     return programs
+
+
+def recorded_comm(item: dict, world: int) -> str:
+    """The communicator of a recorded collective: its group's ranks, and its name where recorded."""
+    group = sorted(item["group"])
+    comm = "world" if group == list(range(world)) else "g" + "-".join(map(str, group))
+    return comm + (f"#{item['name']}" if item.get("name") is not None else "")
+
+
+def recorded_op(item: dict) -> str | None:
+    """What a recorded collective carries: its function, with its tensors' elements and dtype where recorded."""
+    if "op" not in item:
+        return None
+    return " ".join(str(part) for part in (item["op"], item.get("numel"), item.get("dtype")) if part is not None)

@@ -11,17 +11,26 @@ communicators concurrently"; nccl #479, #783). The rules modelled here:
   and a receive only when its send is running: both complete together.
 - A batch (``batch_isend_irecv``) is one queue element: it completes when every part's match is
   running (at the head of its rank's queue, alone or inside a batch at the head).
-- A collective on c completes when every member of c has it at the head of its queue on c.
+- A collective on c completes when every member of c has it at the head of its queue on c, the n-th
+  collective on c of each member matching the n-th of the others. Where calls name their ``op`` (what
+  the collective carries: a sequence group's all-to-all of one unit's k, a recorded call's function and
+  size), the members' must agree: a member at another collective (another unit's exchange, other
+  sizes) leaves it incomplete, as NCCL would hang on the sizes or mix the data; the grid names them.
 - A rank issues its calls in program order; ``Wait(label)`` stops it until that operation has
   completed (what the engine's ``work.wait()`` and the compute after it amount to: later calls
   carry data computed after the wait).
 - Hazard: two operations of one rank pending on two communicators at once, issued in one order
   there and matched by operations issued in the other order on another rank ("CUDA gives no
-  guarantee that two streams will progress independently").
+  guarantee that two streams will progress independently"); and the longer cycles of the same kind
+  (through the ranks of a stage's sequence group and the pairs between stages: no single other rank
+  holds both matches), found by replaying the calls with each rank's communicators progressing one at a
+  time, in the order the rank issued their calls (what ``CUDA_DEVICE_MAX_CONNECTIONS=1`` gives, and the
+  order NCCL asks of concurrent communicators): where that replay stops, the ranks' orders are not one
+  global order.
 
 ``check(calls)`` runs the model on {rank: [Call | Wait, ...]} and raises ``NcclHang`` with a round x
-rank grid of what completed and, last, each rank's stuck operations; ``hazards(calls)`` lists the
-order hazards. Pure functions; no torch, no process group.
+rank grid of what completed, each rank's stuck operations and the collectives whose members
+disagree; ``hazards(calls)`` lists the order hazards. Pure functions; no torch, no process group.
 """
 
 from __future__ import annotations
@@ -35,13 +44,15 @@ class Call:
     """One operation a rank issues: ``kind`` "send", "recv" or "collective"; ``peer`` (p2p only);
     ``comm`` the communicator's name (its members are the ranks that use it); ``batch``: calls of one
     rank with the same non-None batch id form one ``batch_isend_irecv``; ``label``: what a ``Wait``
-    names and the grid shows."""
+    names and the grid shows; ``op`` (collectives): what it carries, equal on every member, or None
+    (not compared)."""
 
     kind: str
     comm: str
     label: str
     peer: int | None = None
     batch: int | None = None
+    op: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,10 +85,11 @@ def _keys(calls: dict[int, list]) -> dict[tuple[int, int], tuple]:
 
 class _State:
     """Issue pointers, per-(rank, comm) queues of issued elements (tuples of call indices: a batch is
-    one element), and what has completed."""
+    one element), and what has completed. ``serial``: one queue per rank, all its communicators' calls
+    in issue order (``hazards``)."""
 
-    def __init__(self, calls: dict[int, list]):
-        self.calls, self.keys = calls, _keys(calls)
+    def __init__(self, calls: dict[int, list], serial: bool = False):
+        self.calls, self.keys, self.serial = calls, _keys(calls), serial
         self.pc = {rank: 0 for rank in calls}
         self.queues: dict[tuple[int, str], list[tuple[int, ...]]] = defaultdict(list)
         self.done: set[tuple[int, int]] = set()
@@ -100,7 +112,7 @@ class _State:
                     if target not in self.done:
                         break
                 else:
-                    queue = self.queues[(rank, item.comm)]
+                    queue = self.queues[(rank, "*" if self.serial else item.comm)]
                     batch_open = (item.batch is not None and queue
                                   and self.calls[rank][queue[-1][-1]].batch == item.batch)
                     if batch_open:
@@ -109,10 +121,10 @@ class _State:
                         queue.append((self.pc[rank],))
                 self.pc[rank] += 1
 
-    def running(self) -> set[tuple]:
-        """(match key, rank) of every call at the head of its queue."""
-        return {(self.keys[(rank, index)], rank) for (rank, _), queue in self.queues.items() if queue
-                for index in queue[0]}
+    def running(self) -> dict[tuple, str | None]:
+        """(match key, rank) -> op of every call at the head of its queue."""
+        return {(self.keys[(rank, index)], rank): self.calls[rank][index].op
+                for (rank, _), queue in self.queues.items() if queue for index in queue[0]}
 
     def step(self) -> list[tuple[int, int]]:
         """Complete every head element whose parts can all complete; returns what completed."""
@@ -126,11 +138,23 @@ class _State:
                 completed.append((rank, index))
         return completed
 
-    def _can_complete(self, rank: int, index: int, heads: set) -> bool:
+    def _can_complete(self, rank: int, index: int, heads: dict) -> bool:
         call, key = self.calls[rank][index], self.keys[(rank, index)]
         if call.kind == "collective":
-            return all((key, member) in heads for member in self.members[call.comm])
+            members = self.members[call.comm]
+            return all((key, m) in heads for m in members) and len(_ops(heads, key, members)) <= 1
         return (key, call.peer) in heads
+
+    def mismatches(self) -> list[str]:
+        """Collectives at the head of every member's queue whose members carry different ops."""
+        heads, out = self.running(), []
+        for (key, rank), _ in sorted(heads.items(), key=str):
+            members = self.members[key[1]] if key[0] == "collective" else ()
+            if rank == min(members, default=None) and all((key, m) in heads for m in members) \
+                    and len(_ops(heads, key, members)) > 1:
+                carried = ", ".join(f"rank {m} {heads[(key, m)]}" for m in sorted(members))
+                out.append(f"collective {key[2]} on {key[1]} carries different ops: {carried}")
+        return out
 
     def pending_pairs(self) -> set[tuple[int, int, int]]:
         """(rank, a, b): the rank's calls a < b at the heads of two of its communicators' queues."""
@@ -150,17 +174,23 @@ class _State:
             if self.pc[rank] < len(program):
                 parts.append(f"waits {program[self.pc[rank]].label}" if isinstance(program[self.pc[rank]], Wait)
                              else f"issuing {program[self.pc[rank]].label}")
-            for (r, comm), queue in sorted(self.queues.items()):
+            for (r, _), queue in sorted(self.queues.items()):
                 if r == rank and queue:
-                    parts.append(f"{comm}: " + "+".join(self.calls[rank][i].label for i in queue[0]))
+                    head = [self.calls[rank][i] for i in queue[0]]
+                    parts.append(f"{head[0].comm}: " + "+".join(call.label for call in head))
             out[rank] = "; ".join(parts) or "done"
         return out
 
 
-def _simulate(calls: dict[int, list], after_issue=None) -> tuple[_State, list[list[tuple[int, int]]]]:
+def _ops(heads: dict, key: tuple, members) -> set[str]:
+    """The ops the members' heads of collective ``key`` carry (None: not compared)."""
+    return {heads[(key, m)] for m in members if heads.get((key, m)) is not None}
+
+
+def _simulate(calls: dict[int, list], after_issue=None, serial: bool = False) -> tuple[_State, list]:
     """Rounds of issuing and completing until nothing completes: (final state, what each round
     completed). ``after_issue(state)`` sees the state after each round's issuing."""
-    state, rounds = _State(calls), []
+    state, rounds = _State(calls, serial), []
     while True:
         state.issue()
         if after_issue is not None:
@@ -185,12 +215,28 @@ def check(calls: dict[int, list], max_rows: int = 60) -> int:
     for number, row in list(enumerate(rows))[-max_rows:]:
         lines.append(f"{number:5d} | " + " | ".join((row[r] or ".").ljust(width) for r in ranks))
     lines.append("stuck | " + " | ".join(stuck[r].ljust(width) for r in ranks))
+    lines += state.mismatches()
     raise NcclHang(f"hang under NCCL's ordering after {len(rows)} rounds:\n" + "\n".join(lines))
 
 
 def hazards(calls: dict[int, list]) -> list[str]:
     """Pairs of operations one rank has pending on two communicators at once whose matches another
-    rank issued in the opposite order (empty: none). Runs the model (which must not hang)."""
+    rank issued in the opposite order; where there is none, a longer cycle: one line with each rank's
+    stuck operations when the calls, replayed with each rank's communicators one at a time in its issue
+    order, stop (empty: none). Runs the model (which must not hang)."""
+    found = _pair_hazards(calls)
+    if found:
+        return found
+    state, rounds = _simulate(calls, serial=True)
+    if state.finished():
+        return []
+    stuck = "; ".join(f"rank {rank}: {what}" for rank, what in state.stuck().items() if what != "done")
+    return [f"in issue order (each rank's communicators one at a time) the calls stop after {len(rounds)} "
+            f"rounds: {stuck}"]
+
+
+def _pair_hazards(calls: dict[int, list]) -> list[str]:
+    """The pairs of ``hazards``."""
     seen = set()
     state, _ = _simulate(calls, lambda now: seen.update(now.pending_pairs()))
     where = {}
