@@ -7,8 +7,10 @@ clipping, LR scheduler, step counters), the data-parallel reduction, checkpoints
 Activations and gradients between stages go through ``p2p.Transfers``: non-blocking sends, and
 receives posted ahead (``schedule.calls.receive_posts``: never ahead of an earlier send to the same
 peer, so each rank's calls on a pair's communicator keep the schedule's order, which NCCL needs;
-``schedule/nccl_model.py`` checks every order). The collectives (tied all-reduce, data-parallel
-reduction, clipping norm, the loss) come after the stage's last transfer, in one order on every stage.
+``schedule/nccl_model.py`` checks every order). The step's collectives (tied all-reduce, the sequence
+sum, data-parallel reduction, clipping norm, the loss) come after the stage's last transfer, in one order on
+every stage; with sequence ranks each F and B also issues its layers' all-to-alls on the stage's sequence
+group, in the schedule's order on every rank of the group (``model/slices/sequence_ranks.py``).
 
 Host synchronizations per step on an accelerator: the clipping norm read back once
 (``clip_fp32_gradients``), fp16's overflow check in DeepSpeed's step, the loss read by the caller.
