@@ -151,6 +151,7 @@ def train_case(model, config: dict, batches, steps: int, eval_batches=None, spli
     return {"losses": losses, "exact_losses": exact_losses or None, "grads": grads, "params": params,
             "stage": engine.stage_id, "eval": eval_loss, "replica": replica,
             "sequence_rank": engine.shard.rank if engine.shard is not None else 0,
+            "grads_summed": engine.grads_summed_before_reduce,   # else each sequence rank's share (ZeRO-1)
             "fused_head_loss": getattr(engine, "head_loss", None) is not None,
             "layer_types": [type(f).__name__ for f in engine.module.forward_funcs],
             "captured_units": captured_units(engine),
@@ -230,6 +231,7 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
                                              "layer_types": set(), "captured_units": 0,
                                              "compiled_blocks": 0, "dynamo_graphs": 0, "sequence_ranks": set()})
             entry["sequence_ranks"].add(result.get("sequence_rank", 0))
+            entry.setdefault("inspected", []).append(result.get("inspect"))   # each rank's, in rank order
             entry["fused_head_loss"] |= bool(result.get("fused_head_loss"))
             entry["layer_types"] |= set(result.get("layer_types", ()))
             for key in ("captured_units", "compiled_blocks", "dynamo_graphs"):
@@ -244,8 +246,9 @@ def merge_ranks(out_dir, world: int, only: str | None = None) -> dict:
                 if hf_name in entry["params"]:
                     assert relative(tensor, entry["params"][hf_name]) <= 1e-6, f"{name}: copies of {hf_name}"
                 entry["params"][hf_name] = tensor
-            for hf_name, tensor in result["grads"].items():
-                entry["grads"].setdefault(hf_name, {})[result["replica"]] = tensor
+            for hf_name, tensor in result["grads"].items():   # ZeRO-1 over sequence ranks: each its share
+                shares = entry["grads"].setdefault(hf_name, {}).setdefault(result["replica"], {})
+                shares[result.get("sequence_rank", 0) if not result.get("grads_summed", True) else 0] = tensor
     return {name: _finish_merge(name, entry) for name, entry in merged.items()}
 
 
@@ -256,7 +259,8 @@ def _finish_merge(name: str, entry: dict) -> dict:
         assert abs(reported - mine) <= REPORTED_LOSS_TOL * abs(mine), (
             f"{name} step {step}: train_batch returned {reported}, the last stage computed {mine}")
     entry["losses"] = exact
-    entry["grads"] = {n: torch.stack(list(r.values())).mean(0) for n, r in entry["grads"].items()}
+    entry["grads"] = {n: torch.stack([sum(shares.values()) for shares in r.values()]).mean(0)
+                      for n, r in entry["grads"].items()}
     return entry
 
 

@@ -5,8 +5,9 @@ Each slice's tokens are split over the 2 sequence ranks of its stage, so slice l
 slices [6, 4, 4, 2] (shards of 3, 2, 2 and 1 tokens). Models: the exactness GPT-2 (4 heads), and Llama-style
 ones with grouped-query attention whose 2 K/V heads split over the 2 ranks ("llama-gqa") or whose single
 K/V head is replicated on both ("llama-mqa"). 2 ranks: 1 stage x 2 sequence ranks; 4 ranks: 2 stages x 2
-sequence ranks, and 1 stage x 2 sequence ranks x 2 replicas with ZeRO-1 (fp32 only: DeepSpeed's
-data-parallel reduction takes no float64). Packed examples: packed_cases.py's blocks on the same slices.
+sequence ranks, and with ZeRO-1 (partitions over sequence x data ranks) 1 stage x 2 sequence ranks x 2
+replicas and 2 stages x 2 sequence ranks (fp32 only: DeepSpeed's ZeRO-1 takes no float64). Packed examples:
+packed_cases.py's blocks on the same slices.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _case(stages, family, tied, schedule, replicas=1, zero=0, ckpt=False, zb=Tru
     case = ec._case(stages, 3, "uneven", tied, schedule, replicas=replicas, zero=zero, ckpt=ckpt, zb=zb,
                     lora=lora, dtypes=dtypes)
     name = case["name"].replace(f"pp{stages}", f"pp{stages}-sp{SEQUENCE_RANKS}-{family}", 1).replace("-uneven", "")
+    if zero and replicas == 1:   # ec._case names ZeRO with replicas only
+        name += f"-zero{zero}"
     return {**case, "name": name, "family": family, "slices": SLICES, "sequence_ranks": SEQUENCE_RANKS,
             "same_as": None}
 
@@ -39,7 +42,8 @@ def cases(world: int) -> list[dict]:
     if world == 4:
         return [_case(2, "gpt2", True, "gpipe"), _case(2, "gpt2", False, "1f1b", ckpt=True),
                 _case(2, "llama-gqa", False, "1f1b", ckpt=True), _case(2, "llama-mqa", True, "gpipe", zb=False),
-                _case(1, "gpt2", True, "1f1b", replicas=2, zero=1, dtypes=("f32",))]
+                _case(1, "gpt2", True, "1f1b", replicas=2, zero=1, dtypes=("f32",)),
+                _case(2, "gpt2", False, "gpipe", zero=1, dtypes=("f32",))]
     return []
 
 
@@ -102,13 +106,21 @@ def ds_config(case: dict) -> dict:
 
 
 def train(case: dict, dtype: torch.dtype, config: dict | None = None) -> dict:
-    """One rank's run of the case (pipeline_harness.train_case), under ``config`` (default ``ds_config``)."""
+    """One rank's run of the case (pipeline_harness.train_case), under ``config`` (default ``ds_config``);
+    its "inspect": a LoRA case's footprint, else the ranks the optimizer partitions its state over."""
     import lora_cases
     import pipeline_harness as harness
     return harness.train_case(model(case, dtype), config or ds_config(case),
                               lambda step, replica: ec.batches(case, step, replica),
                               ec.STEPS, lambda replica: ec.batches(case, ec.EVAL_STEP, replica),
-                              inspect=lora_cases.footprint if case["lora"] is not None else None)
+                              inspect=lora_cases.footprint if case["lora"] is not None else partition_ranks)
+
+
+def partition_ranks(engine) -> int:
+    """How many ranks the optimizer's state is partitioned over (ZeRO-1, the bf16 optimizer), else 1."""
+    from deepspeed import comm as dist
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return dist.get_world_size(group=group) if group is not None else 1
 
 
 def reference(case: dict, dtype: torch.dtype) -> dict:

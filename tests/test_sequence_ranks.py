@@ -33,6 +33,9 @@ def _check(results, case, exact, fp32_reference) -> str:
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_sequence_ranks_match_hf(exactness_runs, case):
     print(_check(exactness_runs, case, sc.reference(case, torch.float64), sc.reference(case, torch.float32)))
+    if case["zero"] == 1 and case["lora"] is None:   # ZeRO-1 partitions over sequence x data ranks
+        for key in case["dtypes"]:
+            assert set(exactness_runs[f"{case['name']}@{key}"]["inspected"]) == {2 * case["replicas"]}, key
 
 
 @pytest.mark.parametrize("case", PACKED, ids=[c["name"] for c in PACKED])

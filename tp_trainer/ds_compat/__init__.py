@@ -344,14 +344,22 @@ def pipeline_topology(stages: int, sequence_ranks: int, world_size: int):
 
 
 def optimizers_see_one_sequence_rank(grid) -> None:
-    """DeepSpeed's grid of a run with sequence ranks, made to show its optimizers each sequence rank as
-    the rank of a pipeline without them (a class swap to ``_SequenceRanksGrid``): once the engine has
-    summed the gradients over the sequence group (``sum_over_sequence``) the ranks' gradients are equal,
-    so each takes every gradient into its norm (tensor-parallel rank 0) and sums the squares over its
-    pipeline only (its model-parallel group: the pipe group). DeepSpeed's own view (the 'model' axis
-    as tensor slicing) would count them on sequence rank 0 alone, and its bf16 optimizer then fails on
-    the other ranks with nothing to count (``get_global_norm_of_tensors``: "stack expects a non-empty
-    TensorList"). The checkpoint names (``get_model_parallel_rank``) stay DeepSpeed's: one per rank."""
+    """DeepSpeed's grid of a run with sequence ranks as its optimizers must see it (a class swap to
+    ``_SequenceRanksGrid``, which also holds each stage's sequence x data group, made here: collective).
+    - Norms: once the gradients are summed over the sequence group the ranks' gradients are equal, so each
+      takes every gradient into its norm (tensor-parallel rank 0) and sums the squares over its pipeline
+      only (its model-parallel group: the pipe group). DeepSpeed's own view (the 'model' axis as tensor
+      slicing) would count them on sequence rank 0 alone, and its bf16 optimizer then fails on the other
+      ranks with nothing to count (``get_global_norm_of_tensors``: "stack expects a non-empty TensorList").
+    - ZeRO-1 and the bf16 optimizer partition over sequence x data (DeepSpeed's ``seq_data_parallel_group``,
+      read through ``get_sequence_data_parallel_group``); ZeRO-1's own reduction then sums over the sequence
+      ranks and averages over the replicas (it divides by the group's size over ``get_sequence_parallel_world_size``).
+    The checkpoint names (``get_model_parallel_rank``) stay DeepSpeed's: one per rank."""
+    groups = {}
+    for stage in range(grid.pipe_parallel_size):   # every rank makes every stage's group, in one order
+        ranks = sorted(grid._topo.filter_match(pipe=stage))
+        groups[stage] = (ranks, dist.new_group(ranks=ranks))
+    grid.sequence_data_ranks, grid.sequence_data_group = groups[grid.get_stage_id()]
     grid.__class__ = _SequenceRanksGrid
 
 
@@ -366,6 +374,24 @@ class _SequenceRanksGrid(PipelineParallelGrid):
 
     def get_model_parallel_group(self):
         return self.pp_proc_group
+
+    def get_sequence_parallel_group(self):
+        return self.slice_proc_group
+
+    def get_sequence_parallel_world_size(self):
+        return self.slice_parallel_size
+
+    def get_sequence_parallel_rank(self):
+        return self.get_slice_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self.sequence_data_group
+
+    def get_sequence_data_parallel_world_size(self):
+        return len(self.sequence_data_ranks)
+
+    def get_sequence_data_parallel_rank(self):
+        return self.sequence_data_ranks.index(self.global_rank)
 
 
 def sequence_shard_of(grid):

@@ -330,6 +330,16 @@ TOUCHES = (
     Touch(GRID, "pp_proc_group", "The pipe group, what the overridden get_model_parallel_group returns.",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
           source=(("__init__", ("self.pp_proc_group = proc_group",)),)),
+    Touch("deepspeed.utils.groups", "_get_sequence_data_parallel_group", "Reads the grid's "
+          "get_sequence_data_parallel_group: ZeRO-1's and the bf16 optimizer's partition group.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",),
+          source=(("_get_sequence_data_parallel_group", ("mpu.get_sequence_data_parallel_group()",)),)),
+    Touch("deepspeed.utils.groups", "_get_sequence_parallel_world_size", "Reads the grid's "
+          "get_sequence_parallel_world_size: ZeRO-1 divides its sum by the group's size over it.", "checked 0.19.8",
+          ("tp_trainer/ds_compat/__init__.py",),
+          source=(("_get_sequence_parallel_world_size", ("mpu.get_sequence_parallel_world_size()",)),)),
+    Touch("deepspeed.runtime.pipe.topology:ProcessTopology", "filter_match", "The ranks of a stage (its "
+          "sequence x data group).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
     Touch(GRID, "get_slice_parallel_rank", "This rank's place in its sequence group.", PIPE_SINCE,
           ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
     Touch("deepspeed.sequence.layer:_SeqAllToAll", "forward", "Ulysses' all-to-all with its autograd "
