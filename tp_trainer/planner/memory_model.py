@@ -43,7 +43,8 @@ A stage (``StageMemory``) sums its parts. Its peak, walking the stage's own sche
     checkpointed (activation checkpointing of every layer, non-reentrant): a unit keeps only its
                  parts' kept bytes (they include each layer's input: the first one's is the
                  received activation) and the stage's output
-Peak = static + the highest in-flight + backward figure over the schedule.
+Peak = static + the highest in-flight + backward figure over the schedule. One of a stage's sequence
+ranks (``terapipe.sequence_parallel``): its share of the StageMemory, ``sequence_memory.per_rank``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from .dp import PlannedBatch, uniform_slices
 from .memory_model import GIB, stage_memory, stage_peak, plan_units
 from .predict import plan_schedules, predict_time, with_slices
 from .report import make_plan
+from .sequence_memory import per_rank
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 # a plan fits when its predicted peak is <= the limit x (1 - MARGIN): the memory model's residual
@@ -76,12 +77,16 @@ def ckpt_choices(stages: int) -> list[tuple]:
     return [(False,) * stages, (True,) * stages]
 
 
-def memories(parts: dict, split, hidden_bytes: float, overhead: float = 0.0, mask_pair: float = 0.0) -> list:
+def memories(parts: dict, split, hidden_bytes: float, overhead: float = 0.0, mask_pair: float = 0.0,
+             sequence_ranks: int = 1, kv_heads: int = 1) -> list:
     """Each stage's StageMemory; ``overhead``: bytes every rank holds besides the model (measured
     after profiling: the runtime's own buffers), added to each stage's static bytes; ``mask_pair``:
-    bytes per element of the slices' attention masks (``memory_model.mask_bytes``)."""
+    bytes per element of the slices' attention masks (``memory_model.mask_bytes``); ``sequence_ranks``
+    N > 1: one of a stage's N sequence ranks, of a model with ``kv_heads`` K/V heads
+    (``sequence_memory.per_rank``)."""
     last = len(split.names) - 1
-    mems = [stage_memory(parts, names, hidden_bytes, s == 0, s == last, mask_pair)
+    mems = [per_rank(stage_memory(parts, names, hidden_bytes, s == 0, s == last, mask_pair), sequence_ranks,
+                     kv_heads, hidden_bytes)
             for s, names in enumerate(split.names)]
     return [replace(m, static=m.static + overhead) for m in mems]
 
