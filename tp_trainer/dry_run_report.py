@@ -195,14 +195,31 @@ def layers_text(names) -> str:
     return " ".join(out)
 
 
+def slices_text(slices) -> str:
+    """Slice lengths, repeats run-length coded: "1024 x 25, 512 x 14"."""
+    runs = []
+    for length in slices:
+        if runs and runs[-1][0] == length:
+            runs[-1][1] += 1
+        else:
+            runs.append([length, 1])
+    return ", ".join(str(length) if count == 1 else f"{length} x {count}" for length, count in runs)
+
+
+def _count(n: int, word: str, plural: str = "s") -> str:
+    return f"{n} {word}" + ("" if n == 1 else plural)
+
+
 def table(result: dict) -> str:
     lay, plan = result["layout"], result["plan"]
     lines = [f"dry run: {result['model']}",
-             f"  on {result['world_size']} x {result['gpu']} ({result['gpu_memory_gib']:g} GiB): {lay['stages']} stages "
-             f"x {lay['sequence_ranks']} sequence ranks x {lay['replicas']} replicas",
+             f"  on {result['world_size']} x {result['gpu']} ({result['gpu_memory_gib']:g} GiB): "
+             f"{_count(lay['stages'], 'stage')} x {_count(lay['sequence_ranks'], 'sequence rank')} x "
+             f"{_count(lay['replicas'], 'replica')}",
              f"  checks: {result['checks']}",
-             f"  plan: {plan['microbatches']} microbatches x {plan['microbatch_size']} sequences x {plan['seq_len']} "
-             f"tokens; {len(plan['slices'])} slices {plan['slices']} (granularity {plan['granularity']}); order "
+             f"  plan: {_count(plan['microbatches'], 'microbatch', 'es')} x {_count(plan['microbatch_size'], 'sequence')}"
+             f" x {plan['seq_len']} tokens; {len(plan['slices'])} slices [{slices_text(plan['slices'])}] (granularity "
+             f"{plan['granularity']}); order "
              f"{plan['order']}" + (f"; shared half from token {plan['shared_after']}" if plan["shared_after"] else ""),
              f"  {result['optimizer']['words']}",
              f"  {'stage':>5}  {'ckpt':>4}  " + "  ".join(f"{k[:7]:>7}" for k in (*am.KEYS, "total")) + "  layers"]
@@ -210,10 +227,13 @@ def table(result: dict) -> str:
         memory = stage["memory_gib"]
         lines.append(f"  {stage['stage']:>5}  {'yes' if stage['checkpointing'] else 'no':>4}  "
                      + "  ".join(f"{memory[k]:>7.2f}" for k in (*am.KEYS, "total")) + f"  {layers_text(stage['layers'])}")
-    worst = max(s["memory_gib"]["total"] for s in result["stages"])
+    fullest = max(result["stages"], key=lambda s: s["memory_gib"]["total"])
+    worst = fullest["memory_gib"]["total"]
     lines.append(f"  GiB per stage; fits when total + {am.RESERVED_GIB:g} GiB (CUDA context, NCCL, workspaces) <= "
                  f"{am.MARGIN:.0%} of the GPU: usable {result['usable_gib']:g} GiB")
-    lines.append(f"fits: {'yes' if result['fits'] else 'NO'}, the fullest stage {worst:.2f} GiB")
+    lines.append(f"fits: yes, the fullest stage (stage {fullest['stage']}) {worst:.2f} GiB" if result["fits"] else
+                 f"fits: NO, stage {fullest['stage']} needs {worst:.2f} GiB, {worst - result['usable_gib']:.2f} more "
+                 f"than the usable {result['usable_gib']:g}; the changes that fit, each judged alike: 'fix:' below")
     base = result["baseline"]
     lines.append(f"predicted: {result['predicted_step_s']:.3f} s a step, {result['tokens_per_s']:,.0f} tokens/s; "
                  f"{base['what']}: {base['step_s']:.3f} s, {base['tokens_per_s']:,.0f} tokens/s "
