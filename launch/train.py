@@ -49,6 +49,9 @@ def main(argv=None) -> int:
         setup_logging()
         stop_before_start(ValueError("--deepspeed_config is required (e.g. ds_configs/gpt2_tiny_cpu.json)"))
     run_args = RunArgs.from_namespace(args)
+    if run_args.dry_run:   # what fits and how fast on the GPUs named, without them (tp_trainer/dry_run.py)
+        from tp_trainer.dry_run import dry_run
+        return dry_run(run_args)
     losses = run(run_args)
     return 0 if losses else 1
 

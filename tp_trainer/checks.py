@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from .choices import RunChoices, RunInputs, this_machine
+from .choices import Machine, RunChoices, RunInputs
 from .config import ConfigError, TeraPipeConfig, check_zero_stage, load_ds_config, pipeline_stages
 from .data import DataArgs, check_tokenizer_source
 from .model.families.adapters import adapter_for, apply_rope_scaling, check_positions, parse_rope_scaling
@@ -54,8 +54,11 @@ class RunSpec:
         return preset(self.config_name, vocab_size)
 
 
-def validate(args, world_size: int) -> RunSpec:
-    """All input checks of a training run (``args``: ``run.RunArgs``); raises ConfigError (or OSError) naming the input and the fix."""
+def validate(args, world_size: int, machine: Machine | None = None, weights: bool = True) -> RunSpec:
+    """All input checks of a training run (``args``: ``run.RunArgs``); raises ConfigError (or OSError) naming the input and the fix.
+    ``machine``: the accelerator the run is judged for (default: this machine's, ``choices.this_machine``;
+    the dry run passes its target GPU's); ``weights`` false: the checkpoint's weights and tokenizer are
+    not looked for (a dry run plans from its config.json alone)."""
     args.check()
     ds_config = load_ds_config(args.deepspeed_config)
     section = ds_config.setdefault("terapipe", {})
@@ -69,14 +72,16 @@ def validate(args, world_size: int) -> RunSpec:
     data = DataArgs(dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
                     train_file=args.train_file, validation_file=args.validation_file, text_column=args.text_column,
                     block_size=seq_len if isinstance(seq_len, int) else 1024, **instruction_fields(args))
-    checkpoint, checkpoint_config = _checkpoint(args)
+    checkpoint, checkpoint_config = _checkpoint(args, weights)
     tokenizer_source = ((args.tokenizer_name, "--tokenizer_name") if args.tokenizer_name
                         else (checkpoint, "--model_name_or_path"))
-    check_tokenizer_source(*tokenizer_source)
+    if weights:
+        check_tokenizer_source(*tokenizer_source)
     checked = checkpoint_config if checkpoint_config is not None else preset(args.config_name, vocab_size=1)
     apply_rope_scaling(checked, parse_rope_scaling(args.rope_scaling))  # before the meta model is built
     # the vocabulary does not matter here
-    pipeline = check_pipeline(ds_config, checked, world_size, packing=args.packing, merge_lora=args.merge_lora)
+    pipeline = check_pipeline(ds_config, checked, world_size, packing=args.packing, merge_lora=args.merge_lora,
+                              machine=machine)
     check_lora(pipeline.terapipe, checked)
     spec = RunSpec(pipeline, data, args.config_name, checkpoint, checkpoint_config, tokenizer_source)
     if args.resume:
@@ -124,13 +129,14 @@ def keep_cost_model(section: dict, output_dir: str, resume: str | None) -> None:
         section["cost_model"] = path
 
 
-def _checkpoint(args):
-    """(local directory, HF config) of ``--model_name_or_path``, or (None, None)."""
+def _checkpoint(args, weights: bool = True):
+    """(local directory, HF config) of ``--model_name_or_path``, or (None, None); ``weights``: its
+    safetensors files must be there."""
     if not args.model_name_or_path:
         return None, None
     from .checkpoint import checkpoint_config, resolve_checkpoint
     directory = resolve_checkpoint(args.model_name_or_path)
-    return directory, checkpoint_config(directory)
+    return directory, checkpoint_config(directory, need_weights=weights)
 
 
 def preset(name: str, vocab_size: int):
@@ -158,10 +164,11 @@ def model_depth(config) -> int:
 
 
 def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str = "none",
-                   merge_lora: bool = False) -> PipelineSpec:
+                   merge_lora: bool = False, machine: Machine | None = None) -> PipelineSpec:
     """The checks of a pipeline of ``model_config`` under ``ds_config`` on ``world_size`` ranks, and
     what it computes (``RunChoices``, the refused combinations ``choices.RULES`` checked there);
-    ``packing``, ``merge_lora``: the run's flags (a library caller's run: none)."""
+    ``packing``, ``merge_lora``: the run's flags (a library caller's run: none); ``machine``: the
+    accelerator judged for (default: this machine's)."""
     check_zero_stage(ds_config)
     try:
         adapter_for(model_config)
@@ -171,11 +178,11 @@ def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str 
     warning = check_positions(terapipe.seq_len, model_config)  # learned positions: raises when too short
     if warning and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("tp_trainer").warning("%s", warning)
-    device_type, supported = this_machine()
-    choices = RunChoices.decide(RunInputs(terapipe, ds_config, device_type, supported, model_config, packing,
-                                          merge_lora))
+    machine = machine or Machine.here()
+    choices = RunChoices.decide(RunInputs(terapipe, ds_config, machine.device_type, machine.supported, model_config,
+                                          packing, merge_lora))
     stages = pipeline_stages(ds_config, world_size, terapipe.sequence_parallel)
-    check_sequence_ranks(terapipe, model_config)
+    check_sequence_ranks(terapipe, model_config, machine.local_ranks)
     depth = model_depth(model_config)
     if stages > depth:
         raise ConfigError(f"pipeline.stages: {stages} stages but the model has only {depth} decoder layers; "
@@ -184,9 +191,9 @@ def check_pipeline(ds_config: dict, model_config, world_size: int, packing: str 
     return PipelineSpec(ds_config, terapipe, stages, choices, cost)
 
 
-def check_sequence_ranks(terapipe: TeraPipeConfig, model_config) -> None:
+def check_sequence_ranks(terapipe: TeraPipeConfig, model_config, local_ranks: int | None = None) -> None:
     """``terapipe.sequence_parallel`` N against the slices and the model's heads (the world size:
-    ``pipeline_stages``)."""
+    ``pipeline_stages``); ``local_ranks``: ranks per node (None: this node's, LOCAL_WORLD_SIZE)."""
     size = terapipe.sequence_parallel
     if size == 1:
         return
@@ -199,7 +206,7 @@ def check_sequence_ranks(terapipe: TeraPipeConfig, model_config) -> None:
     if terapipe.seq_len % size:
         raise ConfigError(f"terapipe.seq_len: {terapipe.seq_len} is not a multiple of terapipe.sequence_parallel "
                           f"{size}; change one of them")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)   # DeepSpeed's launcher: this node's ranks
+    local = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     if local % size:
         raise ConfigError(f"terapipe.sequence_parallel: {size} sequence ranks would span nodes: this node runs "
                           f"{local} ranks (LOCAL_WORLD_SIZE), and a sequence group is {size} consecutive ranks of "

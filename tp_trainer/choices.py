@@ -208,6 +208,21 @@ def this_machine() -> tuple[str, frozenset]:
     return accelerator.device_name(), frozenset(supported)
 
 
+@dataclass(frozen=True)
+class Machine:
+    """The accelerator a run is judged for: its device type, the half precisions it computes in and
+    the ranks per node (None: this node's, LOCAL_WORLD_SIZE). ``here()``: this machine; the dry run
+    (``tp_trainer/dry_run.py``) gives its target GPU's, so the checks judge the GPU, not this CPU."""
+
+    device_type: str
+    supported: frozenset
+    local_ranks: int | None = None
+
+    @classmethod
+    def here(cls) -> "Machine":
+        return cls(*this_machine())
+
+
 # ---------------------------------------------------------------- the value
 
 @dataclass(frozen=True)

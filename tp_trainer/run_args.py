@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from .config import ConfigError
 
-GROUPS = ("model", "data", "training", "lora")
+GROUPS = ("model", "data", "training", "lora", "dry run")
 
 
 def _flag(default, help_text: str | None, group: str, **argparse_kwargs):
@@ -111,6 +111,19 @@ class RunArgs:
                                              "and targets)", "lora")
     merge_lora: bool = _flag(False, "also write the model with the adapters merged to <output_dir>/hf_model",
                              "lora", action="store_true")
+    # ------------------------------------------------------------------ dry run (tp_trainer/dry_run.py)
+    dry_run: bool = _flag(False, "no process group, GPU or weights: run the checks for the target GPU, print the plan "
+                          "(stages, slices, order, checkpointing), each stage's memory, whether it fits and the "
+                          "predicted step beside DeepSpeed's pipeline; writes <output_dir>/dry_run.json", "dry run",
+                          action="store_true")
+    world_size: int | None = _flag(None, "with --dry_run: the GPUs of the run (its launcher's world size)", "dry run")
+    gpu: str | None = _flag(None, "with --dry_run: the GPU, h100 (default) or h200 (their calibrated cost models)",
+                            "dry run")
+    gpu_memory_gib: float | None = _flag(None, "with --dry_run: memory per GPU in GiB (default: the --gpu's)",
+                                         "dry run")
+    cost_model: str | None = _flag(None, "with --dry_run: a cost model measured on the target GPU (python -m "
+                                   "tp_trainer.planner --profile --layers --device cuda ... --save_cost_model FILE) "
+                                   "instead of the analytic GPU model", "dry run")
 
     def check(self):
         """Flag values (checked in ``run`` with the other input checks)."""
@@ -118,10 +131,18 @@ class RunArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name}: must be >= 1, got {value}")
+        if not self.dry_run:
+            given = [name for name in DRY_RUN_FLAGS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"--{given[0]}: only with --dry_run (a run's GPUs are its launcher's); add "
+                                  f"--dry_run or drop --{given[0]}")
 
     @classmethod
     def from_namespace(cls, ns) -> "RunArgs":
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+DRY_RUN_FLAGS = ("world_size", "gpu", "gpu_memory_gib", "cost_model")
 
 
 def flag_fields() -> list:

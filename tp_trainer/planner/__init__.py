@@ -9,6 +9,9 @@
     refine.refine_slices                  the chosen slices moved while the simulated step falls
     memory_model / memory_plan            predicted peak per stage; the fastest plan (slices, order,
                                           checkpointing per stage) under terapipe.memory_limit_gib
+    analytic / gpu_model                  FLOP / byte costs without measurement: the paper-scale DeviceSpec,
+                                          a model's parts on an H100 / H200 calibrated on the committed figures
+    analytic_memory                       each stage's memory from the model's shape (the dry run's)
     auto.measured_layout                  "slices": "auto" before the model is built (collective)
     cli.main                              python -m tp_trainer.planner (__main__.py)
 """
