@@ -301,6 +301,12 @@ class RunChoices:
             terapipe = TeraPipeConfig.from_section(ds_config.get("terapipe") if terapipe is None else terapipe)
         return cls.decide(RunInputs(terapipe, ds_config, device_type, **run))
 
+    @property
+    def zero_reduces(self) -> bool:
+        """DeepSpeed's ZeRO-1 optimizer (not the bf16 one) reduces ``.grad`` into its partitions itself, at
+        ReduceGrads (with sequence ranks over sequence x data: it sums the sequence ranks' gradients too)."""
+        return self.zero_stage == 1 and not self.bf16_optimizer
+
     def grad_sink(self, captured: bool) -> GradSinkChoice:
         """Where one stage's weight gradients land and why W stays in its B (``model/slices/grad_sink.py``):
         a stage of a captured run that holds no decoder block (``captured`` false) captures nothing and

@@ -392,21 +392,18 @@ class TeraPipeEngine(PipelineEngine):
         ds_compat.reduce_tied_grads(self.module, self.grad_sink.choice.bf16_buffers)
 
     def _exec_reduce(self, cmd: ReduceGrads):
-        # ZeRO-1's own optimizer (not the bf16 one) reduces .grad into its partitions, over sequence x data
-        # ranks (ds_compat.optimizers_see_one_sequence_rank): it sums the sequence ranks' gradients itself
-        zero_reduces = self.choices.zero_stage == 1 and not self.choices.bf16_optimizer
-        if self.shard is not None and not zero_reduces:   # parameters replicated over the sequence ranks
-            ds_compat.sum_over_sequence(self, self.shard.group)
-        if self.dp_world_size == 1 and not zero_reduces:
+        if self.shard is not None and not self.choices.zero_reduces:   # parameters replicated over the group
+            ds_compat.sum_over_sequence(self, self.shard.group)   # (ZeRO-1's own reduction sums them itself)
+        if self.dp_world_size == 1 and not self.choices.zero_reduces:
             # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms)
             return
         ds_compat.reduce_grads(self)
 
     @property
     def grads_summed_before_reduce(self) -> bool:
-        """Whether ``.grad`` holds the sequence group's sum when DeepSpeed's reduction starts (ZeRO-1's own
-        optimizer sums it in its reduction instead)."""
-        return self.shard is None or not (self.choices.zero_stage == 1 and not self.choices.bf16_optimizer)
+        """Whether ``.grad`` holds the whole gradient when DeepSpeed's reduction starts: not with sequence
+        ranks under ZeRO-1's own optimizer, whose reduction sums their shares (``RunChoices.zero_reduces``)."""
+        return self.shard is None or not self.choices.zero_reduces
 
     def _exec_step(self, cmd: OptimizerStep):
         ds_compat.optimizer_step(self)

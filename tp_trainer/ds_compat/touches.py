@@ -318,38 +318,38 @@ TOUCHES = (
     # ------------------------------------------------------------------ sequence ranks (terapipe.sequence_parallel)
     Touch("deepspeed.runtime.pipe.topology:PipeModelDataParallelTopology", "__init__", "Stages x replicas x "
           "sequence ranks, the sequence ranks on DeepSpeed's 'model' axis (ds_compat.pipeline_topology).",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self", "num_pp", "num_mp", "num_dp")),
+          PIPE_SINCE, ("tp_trainer/ds_compat/sequence.py",), params=("self", "num_pp", "num_mp", "num_dp")),
     Touch(GRID, "get_slice_parallel_group", "The sequence group: the grid's group over the 'model' axis.",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          PIPE_SINCE, ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch(GRID, "get_tensor_model_parallel_rank", "Sequence ranks: 0 for the optimizers' norms "
           "(ds_compat.optimizers_see_one_sequence_rank overrides it).", "checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch(GRID, "get_model_parallel_group", "Sequence ranks: the pipe group for the optimizers' norms "
           "(ds_compat.optimizers_see_one_sequence_rank overrides it).", PIPE_SINCE,
-          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch(GRID, "pp_proc_group", "The pipe group, what the overridden get_model_parallel_group returns.",
-          PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), instance_attr=True,
+          PIPE_SINCE, ("tp_trainer/ds_compat/sequence.py",), instance_attr=True,
           source=(("__init__", ("self.pp_proc_group = proc_group",)),)),
     Touch("deepspeed.utils.groups", "_get_sequence_data_parallel_group", "Reads the grid's "
           "get_sequence_data_parallel_group: ZeRO-1's and the bf16 optimizer's partition group.", "checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py",),
+          ("tp_trainer/ds_compat/sequence.py",),
           source=(("_get_sequence_data_parallel_group", ("mpu.get_sequence_data_parallel_group()",)),)),
     Touch("deepspeed.utils.groups", "_get_sequence_parallel_world_size", "Reads the grid's "
           "get_sequence_parallel_world_size: ZeRO-1 divides its sum by the group's size over it.", "checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py",),
+          ("tp_trainer/ds_compat/sequence.py",),
           source=(("_get_sequence_parallel_world_size", ("mpu.get_sequence_parallel_world_size()",)),)),
     Touch("deepspeed.runtime.pipe.topology:ProcessTopology", "filter_match", "The ranks of a stage (its "
-          "sequence x data group).", PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          "sequence x data group).", PIPE_SINCE, ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch(GRID, "get_slice_parallel_rank", "This rank's place in its sequence group.", PIPE_SINCE,
-          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch("deepspeed.sequence.layer:_SeqAllToAll", "forward", "Ulysses' all-to-all with its autograd "
-          "(ds_compat.sequence_all_to_all), batch first.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",),
+          "(ds_compat.sequence_all_to_all), batch first.", "checked 0.19.8", ("tp_trainer/ds_compat/sequence.py",),
           params=("ctx", "group", "input", "scatter_idx", "gather_idx", "batch_dim_idx")),
     Touch(DS_ENGINE, "_get_gradients_for_reduction", "The gradients DeepSpeed's reduction takes (no bf16 "
           "optimizer), summed over the sequence group first.", "checked 0.19.8",
-          ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch(BF16, "get_grads_for_reduction", "The bf16 optimizer's fp32 gradient buffers, summed over the "
-          "sequence group first.", "checked 0.19.8", ("tp_trainer/ds_compat/__init__.py",), params=("self",)),
+          "sequence group first.", "checked 0.19.8", ("tp_trainer/ds_compat/sequence.py",), params=("self",)),
     Touch("deepspeed", "set_optimizer_flags", "deepspeed.initialize's own step before building the engine, "
           "which initialize.py repeats since it builds the engine itself.", "checked 0.19.8",
           ("tp_trainer/initialize.py",), params=("config_class", "model")),
