@@ -13,6 +13,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires_command(name): the test runs a command-line tool (e.g. the "
                                        "deepspeed launcher); skipped where it is missing, a failure under CI=true")
+    config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one pytest-xdist worker "
+                                       "(set by pytest_collection_modifyitems, see xdist_groups.py)")
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(items):
+    """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh), the tests that share a fixture
+    wider than a test run on one worker, so that fixture (a multi-rank launch, often) runs once."""
+    from xdist_groups import add_group_marks
+    add_group_marks(items)
 
 
 def pytest_runtest_setup(item):
