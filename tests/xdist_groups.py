@@ -55,3 +55,21 @@ def add_group_marks(items) -> None:
     import pytest
     for index, name in groups(items).items():
         items[index].add_marker(pytest.mark.xdist_group(name.replace(" ", "_")))
+
+
+def groups_lost(session) -> str | None:
+    """Under ``--dist loadgroup``, pytest-xdist appends each marked test's group to its node id
+    (``...::test@group``), which is all its scheduler reads. Where a pytest / pytest-xdist pair no
+    longer does (pytest 9.2 with pytest-xdist 3.8: the id it writes is not the one pytest reads), the
+    groups are lost without a word and their fixtures run on both workers: the message saying so, or
+    None."""
+    import pytest
+    if not getattr(session.config.option, "loadgroup", False):
+        return None
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if not lost:
+        return None
+    import xdist
+    return (f"pytest-xdist {xdist.__version__} did not take the xdist_group of {len(lost)} tests ({lost[0]}, ...) "
+            f"under pytest {pytest.__version__}: install the versions pyproject.toml allows (bash scripts/setup.sh), "
+            f"or run with -n 0")
