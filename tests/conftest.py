@@ -13,11 +13,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires_command(name): the test runs a command-line tool (e.g. the "
                                        "deepspeed launcher); skipped where it is missing, a failure under CI=true")
+    config.addinivalue_line("markers", "xdist_group(name): the tests of one group run on one pytest-xdist worker "
+                                       "(set by pytest_collection_modifyitems, see xdist_groups.py)")
+
+
+GROUPS_LOST = pytest.StashKey[str | None]()   # xdist_groups.groups_lost, for pytest_runtest_setup
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(items):
+    """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh), the tests that share a fixture
+    wider than a test run on one worker, so that fixture (a multi-rank launch, often) runs once."""
+    from xdist_groups import add_group_marks
+    add_group_marks(items)
+
+
+def pytest_collection_finish(session):
+    from xdist_groups import groups_lost
+    session.config.stash[GROUPS_LOST] = groups_lost(session)
 
 
 def pytest_runtest_setup(item):
     """A test marked ``requires_command("deepspeed")`` skips where the tool is not on PATH, except
-    under CI=true: there a missing tool means a broken install, and a skip would hide it."""
+    under CI=true: there a missing tool means a broken install, and a skip would hide it. Under
+    pytest-xdist, every test fails where the workers lost the suite's groups (xdist_groups.py)."""
+    lost = item.config.stash.get(GROUPS_LOST, None)
+    if lost:   # every test fails, before its fixtures start: a run that would launch ranks twice
+        pytest.fail(lost, pytrace=False)
     for marker in item.iter_markers("requires_command"):
         name = marker.args[0]
         if shutil.which(name) is None:
