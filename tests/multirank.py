@@ -35,8 +35,6 @@ def start_ranks(script: str, world_size: int, args: list[str], timeout: float = 
     forked from tests/rank_zygote.py's pre-imported Python where their environment allows
     (``rank_zygote.usable``), else started as fresh interpreters."""
     port = free_port()
-    with open("/tmp/s3_launches.log", "a") as _dbg:  # DEBUG launch count, removed afterwards
-        _dbg.write(f"{os.environ.get('PYTEST_XDIST_WORKER')}\t{time.time():.0f}\t{os.environ.get('PYTEST_CURRENT_TEST')}\t{script}\t{args[:4]}\n")
     rank_envs = [dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})) for rank in range(world_size)]
