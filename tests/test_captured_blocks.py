@@ -115,7 +115,7 @@ def test_an_auto_plan_for_captured_blocks_on_a_gpu_says_how_it_was_timed(tmp_pat
     choices = RunChoices.of({"bf16": {"enabled": True}}, {"seq_len": 16})
     engine = SimpleNamespace(plan=SimpleNamespace(to_json=lambda: "{}"), run_plan=SimpleNamespace(report="planned"),
                              captured=object(), device=torch.device(device), schedule_name="gpipe", num_stages=2,
-                             weight_grads_mode="W", slice_context=SliceContext())
+                             weight_grads_mode="W", slice_context=SliceContext(), shard=None, dp_world_size=1)
     with caplog.at_level(logging.INFO, logger="tp_trainer"):
         _write_plan(engine, str(tmp_path), choices)
     assert ("terapipe.cuda_graphs: these slices were planned from the units timed eagerly" in caplog.text) == warned

@@ -84,6 +84,12 @@ class TeraPipeEngine(PipelineEngine):
         self.hidden_size = hidden_size
         self.slice_context = self.module.slice_context
         self.shard = self.slice_context.shard   # sequence ranks (model/slices/sequence_ranks.py), or None
+        # ZeRO-1's own optimizer reduces .grad itself (RunChoices.zero_reduces), summing the sequence ranks'
+        # shares too; else the engine sums them over the sequence group at ReduceGrads, before DeepSpeed's
+        self._zero_reduces = choices.zero_reduces
+        self._sums_over_sequence = self.shard is not None and not self._zero_reduces
+        # whether .grad holds the whole gradient when DeepSpeed's reduction starts (tests read it)
+        self.grads_summed_before_reduce = self.shard is None or not self._zero_reduces
         # saved-tensor hooks measuring activations (memory.py), for the run's memory report
         self.activation_tracker = ActivationTracker(self.module.parameters()) if track_activations else None
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
@@ -392,18 +398,12 @@ class TeraPipeEngine(PipelineEngine):
         ds_compat.reduce_tied_grads(self.module, self.grad_sink.choice.bf16_buffers)
 
     def _exec_reduce(self, cmd: ReduceGrads):
-        if self.shard is not None and not self.choices.zero_reduces:   # parameters replicated over the group
-            ds_compat.sum_over_sequence(self, self.shard.group)   # (ZeRO-1's own reduction sums them itself)
-        if self.dp_world_size == 1 and not self.choices.zero_reduces:
+        if self._sums_over_sequence:   # parameters replicated over the sequence ranks
+            ds_compat.sum_over_sequence(self, self.shard.group)
+        if self.dp_world_size == 1 and not self._zero_reduces:
             # one replica: DeepSpeed would flatten, all-reduce over 1 rank and copy back (~10 ms)
             return
         ds_compat.reduce_grads(self)
-
-    @property
-    def grads_summed_before_reduce(self) -> bool:
-        """Whether ``.grad`` holds the whole gradient when DeepSpeed's reduction starts: not with sequence
-        ranks under ZeRO-1's own optimizer, whose reduction sums their shares (``RunChoices.zero_reduces``)."""
-        return self.shard is None or not self.choices.zero_reduces
 
     def _exec_step(self, cmd: OptimizerStep):
         ds_compat.optimizer_step(self)
