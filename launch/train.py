@@ -16,8 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 
-from tp_trainer.failures import leave, stop_before_start  # noqa: E402
-from tp_trainer.run import run, setup_logging  # noqa: E402
+from tp_trainer.failures import leave, setup_logging, stop_before_start  # noqa: E402
 from tp_trainer.run_args import RunArgs, add_arguments  # noqa: E402
 
 
@@ -52,6 +51,7 @@ def main(argv=None) -> int:
     if run_args.dry_run:   # what fits and how fast on the GPUs named, without them (tp_trainer/dry_run.py)
         from tp_trainer.dry_run import dry_run
         return dry_run(run_args)
+    from tp_trainer.run import run   # imported after the command line is judged: ~7 s of a rank's start
     losses = run(run_args)
     return 0 if losses else 1
 

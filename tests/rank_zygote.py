@@ -34,7 +34,10 @@ import sys
 import tempfile
 import threading
 
-PRELOAD = ("torch", "torch._dynamo", "deepspeed", "transformers")
+# the libraries a rank imports (transformers' modeling modules and the two families' models, peft,
+# datasets: ~3 s of a rank's start that a fresh rank pays again after torch, deepspeed and transformers)
+PRELOAD = ("torch", "torch._dynamo", "deepspeed", "transformers", "transformers.modeling_utils",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "peft", "datasets")
 # the zygotes' own settings: one thread (as multirank gives every rank), unbuffered output
 ZYGOTE_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # environment variables that an interpreter or the preloaded libraries read before a script runs:

@@ -55,7 +55,7 @@ def check_target(args) -> Target:
 def dry_run(args) -> int:
     """The dry run of ``args`` (``run_args.RunArgs`` with ``dry_run``); returns the exit code."""
     from .failures import INPUT_ERRORS, stop_before_start
-    from .run import setup_logging
+    from .failures import setup_logging
     setup_logging()
     try:
         target = check_target(args)

@@ -38,6 +38,13 @@ INPUT_ERRORS = (ConfigError, OSError)  # data.DataConfigError is a ConfigError
 _CODE_BITS = 256  # the agreed key is rank * 256 + exit code: one integer, one all_reduce
 
 
+def setup_logging() -> int:
+    """Log lines say which rank speaks; returns this rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
+    return rank
+
+
 class RunStopped(Exception):
     """Raised on every rank when some rank failed in ``phase``. ``reporting`` is true on the one rank
     whose error the user should see (``error``; None on the others); ``code`` is the exit code."""

@@ -22,20 +22,13 @@ from .checks import RunSpec, check_validation_size, check_vocabulary, model_conf
 from .data import build_lm_dataset, get_tokenizer
 from .data.packing import step_batches
 from .engine import PipelineFailure
-from .failures import INPUT_ERRORS, RunStopped, stop_before_start, stop_together, together
+from .failures import INPUT_ERRORS, RunStopped, setup_logging, stop_before_start, stop_together, together
 from .initialize import bind_rank_cores, init_process_group, initialize, launch_world_size
 from .memory import memory_report
 from .resume import checkpoint_dir
 from .run_args import RunArgs  # noqa: F401 (the tests import it from here)
 
 log = logging.getLogger("tp_trainer")
-
-
-def setup_logging() -> int:
-    """Log lines say which rank speaks; returns this rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S")
-    return rank
 
 
 def run(args: RunArgs) -> list[float]:
