@@ -11,11 +11,13 @@ preloaded: every rank imports it afresh, as a launched rank does. Rank r of a la
 zygote r (one per rank index, each with its own hash seed, started on first use), so the ranks of
 a launch differ in string hashing (set order) as launched ranks do.
 
-A rank is started the ordinary way (``usable`` false) where its environment changes what an
-interpreter does before its script runs: a fault's ``sitecustomize`` on PYTHONPATH
-(tests/fault_hooks), any other PYTHON*, thread-count or library setting read at import
-(``READ_AT_START``); and every rank where TP_TEST_FRESH_RANKS=1 (to check that a result does not
-depend on the forked start).
+A test hook's folder put in front of PYTHONPATH (tests/fault_hooks: a ``sitecustomize.py`` that an
+interpreter imports at start-up, and TP_TEST_FAULT that only it reads) is served too: the forked rank
+puts the folder where PYTHONPATH puts it on ``sys.path`` and imports its ``sitecustomize`` before the
+script, as a fresh interpreter does. A rank is started the ordinary way (``usable`` false) where its
+environment changes anything else an interpreter does before its script runs: any other PYTHON*,
+thread-count or library setting read at import (``READ_AT_START``); and every rank where
+TP_TEST_FRESH_RANKS=1 (to check that a result does not depend on the forked start).
 
 Run as a script, this file is a zygote: it reads one JSON request a line from the fd in argv[1]
 and writes JSON replies to the fd in argv[2]: {"id", "pid"} for each fork, {"pid", "code"} for
@@ -47,6 +49,7 @@ READ_AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "LD_", 
                  "TP_TEST_FAULT")
 ZYGOTES = 4   # rank indices served (the tests' largest world); a launch of more ranks starts fresh ones
 _LOCK = threading.Lock()
+ZYGOTE_START_ENV: dict = {}   # in a zygote: its environment at start (its ranks' PYTHONPATH is judged against it)
 _ZYGOTES: dict[int, "Zygote"] = {}
 
 
@@ -61,9 +64,25 @@ def usable(env: dict, world_size: int) -> bool:
     return all(_same_start(env, zygote_env) for zygote_env in started or [{**os.environ, **ZYGOTE_ENV}])
 
 
+def hook_dirs(env: dict, zygote_env: dict) -> list[str] | None:
+    """The test hooks' folders (each holding a ``sitecustomize.py``) that ``env``'s PYTHONPATH puts in
+    front of the zygote's PYTHONPATH; None where its PYTHONPATH differs otherwise."""
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    own = [p for p in zygote_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = entries[:len(entries) - len(own)]
+    if entries[len(extra):] != own or not all(os.path.isfile(os.path.join(p, "sitecustomize.py")) for p in extra):
+        return None
+    return extra
+
+
 def _same_start(env: dict, zygote_env: dict) -> bool:
     changed = {key for key in set(env) | set(zygote_env) if env.get(key) != zygote_env.get(key)}
-    return not any(key.startswith(READ_AT_START) for key in changed if (key, env.get(key)) != ("TP_TEST_FAULT", ""))
+    hooks = hook_dirs(env, zygote_env)
+    if hooks is None:
+        return False
+    served = {"PYTHONPATH", "TP_TEST_FAULT"} if hooks else {("TP_TEST_FAULT", "")}   # a fault only its hook reads
+    return not any(key.startswith(READ_AT_START) for key in changed
+                   if key not in served and (key, env.get(key)) not in served)
 
 
 def prepare(world_size: int) -> None:
@@ -158,6 +177,8 @@ class Zygote:
 def serve(request_fd: int, reply_fd: int) -> None:
     """Import ``PRELOAD``, then fork a rank for each request and report each rank's end; leave when
     the requests' pipe closes (the test process is gone)."""
+    global ZYGOTE_START_ENV
+    ZYGOTE_START_ENV = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
@@ -224,7 +245,11 @@ def _run(request: dict) -> None:
     os.chdir(request["cwd"])
     script = request["script"]
     sys.path[0] = os.path.dirname(script)   # the rest is the zygote's: PYTHONPATH (the same, usable) and site
+    hooks = hook_dirs(request["env"], ZYGOTE_START_ENV)
+    sys.path[1:1] = hooks   # where PYTHONPATH puts them: after the script's folder
     sys.argv = [script, *request["args"]]
+    if hooks:   # site imports the first sitecustomize on the path, before the script
+        importlib.import_module("sitecustomize")
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
