@@ -114,7 +114,7 @@ def train_ranks(world_size: int, args: list[str], timeout: float = 600, env: dic
     """``launch/train.py args`` as ``world_size`` ranks on this machine, in the environment DeepSpeed's
     launcher gives them, without the launcher's own two Python processes (~5 s a launch on 2 cores).
     The launcher itself is tested where it matters (test_launch.py, test_bad_input_launch.py,
-    test_report_race.py, test_faults.py, the multi-node tests). Returns the ranks' output, rank 0
+    test_faults.py, the multi-node tests). Returns the ranks' output, rank 0
     first; fails unless every rank exits 0."""
     return "\n".join(run_ranks(TRAIN_SCRIPT, world_size, args, timeout, {**_train_env(world_size), **(env or {})},
                                cwd=REPO))

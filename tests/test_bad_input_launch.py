@@ -6,6 +6,14 @@ output directory is never created. All cases run in ONE 2-rank launch (tests/bad
 calls launch/train.py's main per case: one launcher start instead of one per case, ~10 s each).
 The case only rank 1 meets also runs as its own ``deepspeed`` command, to check the launcher's
 exit code and what the processes print while exiting.
+
+Those ``deepspeed`` commands also hold the report race: the one ``error:`` line reaches the user even
+when the rank that writes it is the last to get there (DeepSpeed's launcher kills every rank as soon as
+one exits with an error, so the other ranks must wait for it: ``failures.stop_before_start``,
+``failures.stop_together``). The reporting rank is slowed by 4 s through tests/slow_report/sitecustomize.py;
+without the wait its line is lost every time. The bad command lines are the case before the process
+group starts (every rank finds it), the two launcher cases the ones after it (rank 0 in the data phase,
+rank 1 loading its stage).
 """
 
 import json
@@ -181,8 +189,18 @@ def argv(flags, paths, out) -> list[str]:
             *[fill(flag, paths) for flag in flags]]
 
 
-def launcher_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+SLOW_REPORT = os.path.join(REPO, "tests", "slow_report")
+SLOW_REPORT_S = 4
+
+
+def launcher_env(slow_reporter: int | None = None) -> dict:
+    """The ranks' environment; with ``slow_reporter``, that rank waits SLOW_REPORT_S before it writes its
+    ``error:`` line (tests/slow_report/sitecustomize.py), so that it is the last rank to get there."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if slow_reporter is not None:
+        env.update(TP_TEST_SLOW_REPORT_RANK=str(slow_reporter), TP_TEST_SLOW_REPORT_S=str(SLOW_REPORT_S),
+                   PYTHONPATH=os.pathsep.join(p for p in [SLOW_REPORT, os.environ.get("PYTHONPATH", "")] if p))
+    return env
 
 
 def deepspeed_command(*args: str) -> list[str]:
@@ -254,13 +272,14 @@ def test_validation_file_without_train_file(shared_launch, inputs):
 @pytest.mark.parametrize("case", ["stage1_tensor_missing", "messages_template_not_prefix_stable"])
 def test_launcher_exit_code_and_output(inputs, tmp_path, case):
     """The deepspeed command itself, for the case only rank 1 meets (a tensor of its stage is missing) and
-    for a messages row refused while rank 0 tokenizes the data: exit code 2, one error line in all the
-    command prints (the ranks' output and the launcher's), no traceback or "Connection closed" while the
-    ranks exit."""
+    for a messages row refused while rank 0 tokenizes the data, the reporting rank the slow one: exit code
+    2, one error line in all the command prints (the ranks' output and the launcher's), no traceback or
+    "Connection closed" while the ranks exit."""
     _, flags, expected, reporter = next(c for c in CASES if c[0] == case)
     out = str(tmp_path / "out")
     cmd = deepspeed_command("launch/train.py", *argv(flags, inputs, out))
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(slow_reporter=reporter), capture_output=True, text=True,
+                          timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-4000:]
     error = assert_clean_stop(text, [fill(piece, inputs) for piece in expected], out)
@@ -296,13 +315,31 @@ def test_help_lists_every_flag_a_message_names(capsys):
 def test_a_bad_command_line_prints_one_error_line(flags, expected):
     """Through the deepspeed command, 2 ranks: argparse's error (and a missing --deepspeed_config) ends as
     other bad input does: exit code 2, one ``error:`` line in all the command prints, from rank 0 (argparse's
-    own line, on every rank, names no rank and is cut or doubled as the launcher kills the others)."""
+    own line, on every rank, names no rank and is cut or doubled as the launcher kills the others), rank 0
+    the slow reporter (rank 1 waits for its line)."""
     config = [] if not flags else ["--deepspeed_config", "ds_configs/gpt2_tiny_cpu.json"]
     cmd = deepspeed_command("launch/train.py", *config, *flags)
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(slow_reporter=0), capture_output=True, text=True,
+                          timeout=300)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2, text[-4000:]
     errors = [line for line in text.splitlines() if "error:" in line]
     assert len(errors) == 1 and expected in errors[0], errors
     assert errors[0].startswith("[rank 0] "), errors   # the run's own line, saying who speaks
     assert "Traceback" not in text, text[-4000:]
+
+
+def test_slow_report_hook_is_off_without_its_variable():
+    """The hook only acts when a test sets TP_TEST_SLOW_REPORT_RANK (the trainer never reads it)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hook", os.path.join(SLOW_REPORT, "sitecustomize.py"))
+    import tp_trainer.failures as failures
+    before = failures.announce
+    env = os.environ.pop("TP_TEST_SLOW_REPORT_RANK", None)
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    finally:
+        if env is not None:
+            os.environ["TP_TEST_SLOW_REPORT_RANK"] = env
+    assert failures.announce is before
+    assert error_lines("x\n[rank 0] error: y\n") == ["[rank 0] error: y"]

@@ -1,4 +1,4 @@
-"""Test hook (tests/test_report_race.py puts this folder on PYTHONPATH): the rank named by
+"""Test hook (tests/test_bad_input_launch.py puts this folder on PYTHONPATH): the rank named by
 TP_TEST_SLOW_REPORT_RANK waits TP_TEST_SLOW_REPORT_S seconds before it writes its ``error:`` line,
 so that it is the last rank to get there. Python imports ``sitecustomize`` at start-up."""
 
