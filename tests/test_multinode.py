@@ -1,6 +1,6 @@
 """Multi-node launches with a hostfile: the hostfile checker's errors, and two `deepspeed --no_ssh`
-launchers (node ranks 0 and 1 of a 2-line hostfile, on this machine) forming one 2-stage pipeline
-whose losses equal a single `deepspeed --num_gpus 2` launch bit for bit."""
+launchers (node ranks 0 and 1 of a 2-line hostfile, on this machine) forming one pipeline of 2 stages
+x 2 sequence ranks whose losses equal the same 4 ranks on one node bit for bit."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import signal
 import subprocess
 
 import pytest
-from multirank import free_port
+from multirank import free_port, train_ranks
 from small_run import small_config
 
 from tp_trainer.config import ConfigError
@@ -105,11 +105,6 @@ def test_multinode_script_checks_hostfile_first(tmp_path):
 
 
 
-def train_flags(config, out):
-    return ["--deepspeed_config", config, "--max_steps", "3", "--eval_interval", "100", "--eval_batches", "1",
-            "--no_save_hf", "--output_dir", str(out)]
-
-
 def launcher_env(port=None):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TP_TEST_FAULT", None)
@@ -120,41 +115,6 @@ def launcher_env(port=None):
 
 def losses(out) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines())]
-
-
-@needs_launcher
-def test_two_launchers_with_hostfile_equal_one(tmp_path):
-    config = small_config(tmp_path)
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
-
-    # node ranks 0 and 1: each launcher starts one rank; together they form the 2-stage pipeline
-    two = tmp_path / "two"
-    env = launcher_env(free_port())
-    nodes = [subprocess.Popen(["bash", MULTINODE, str(hostfile), str(rank), "127.0.0.1", *train_flags(config, two)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for rank in (0, 1)]
-    try:
-        logs = [node.communicate(timeout=600)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)  # the launcher and its rank
-                node.wait()
-    for rank, (node, log) in enumerate(zip(nodes, logs)):
-        assert node.returncode == 0, f"node {rank}:\n{log[-4000:]}"
-    for rank, log in enumerate(logs):  # deepspeed.launcher.launch's own report: world size from the hostfile
-        assert f"nnodes=2, num_local_procs=1, node_rank={rank}" in log and "dist_world_size=2" in log, log[-3000:]
-    assert "[rank 1]" in logs[1] and "[rank 0]" not in logs[1]
-
-    one = tmp_path / "one"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
-           *train_flags(config, one)]
-    proc = subprocess.run(cmd, cwd=REPO, env=launcher_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-    assert [step for step, _ in losses(two)] == [1, 2, 3]
-    assert losses(two) == losses(one)  # bit for bit: json keeps every digit of the float
 
 
 def sequence_config(tmp_path, sequence_ranks: int) -> str:
@@ -170,8 +130,9 @@ def sequence_config(tmp_path, sequence_ranks: int) -> str:
 @needs_launcher
 def test_two_nodes_of_two_sequence_ranks_train_export_and_resume_on_one(tmp_path):
     """The main job on 2 stages x 2 sequence ranks, one stage's sequence group per node (two launchers,
-    2 slots each): it trains, evaluates, saves, exports an HF model that loads; the checkpoint then resumes
-    on 2 stages x 1 (one launcher, 2 ranks) through the layout-free form and trains on."""
+    2 slots each): it trains, evaluates, saves, exports an HF model that loads, and its losses equal those
+    of the same 4 ranks on one node bit for bit; the checkpoint then resumes on 2 stages x 1 (one launcher,
+    2 ranks) through the layout-free form and trains on."""
     from transformers import GPT2LMHeadModel
     hostfile = tmp_path / "hosts"
     hostfile.write_text("127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
@@ -190,10 +151,18 @@ def test_two_nodes_of_two_sequence_ranks_train_export_and_resume_on_one(tmp_path
                 node.wait()
     for rank, (node, log) in enumerate(zip(nodes, logs)):
         assert node.returncode == 0, f"node {rank}:\n{log[-4000:]}"
+    for rank, log in enumerate(logs):  # deepspeed.launcher.launch's own report: world size from the hostfile
+        assert f"nnodes=2, num_local_procs=2, node_rank={rank}" in log and "dist_world_size=4" in log, log[-3000:]
+    assert "[rank 2]" in logs[1] and "[rank 0]" not in logs[1]
     assert "2 stages x 2 sequence ranks" in logs[0] and "step 2 validation loss" in logs[0], logs[0][-3000:]
     assert json.loads((out / "plan.json").read_text())["sequence_ranks"] == 2
     exported = GPT2LMHeadModel.from_pretrained(out / "hf_model")
     assert exported.config.n_layer == 4
+
+    one = tmp_path / "one"   # the same 4 ranks on one node (as its launcher starts them): the same losses
+    train_ranks(4, [*flags[:flags.index("--output_dir")], "--no_save_hf", "--output_dir", str(one)])
+    assert [step for step, _ in losses(out)] == [1, 2]
+    assert losses(out) == losses(one)  # bit for bit: json keeps every digit of the float
 
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "launch/train.py",
            "--deepspeed_config", sequence_config(tmp_path, 1), "--max_steps", "3", "--eval_interval", "100",
