@@ -142,3 +142,21 @@ def test_a_cost_model_of_other_sequence_ranks_is_refused(tmp_path):
                                           r"this run computes with 2 sequence ranks per stage"):
         read_cost_model(TeraPipeConfig.from_section(section), 2, CONFIG, choices)
     assert read_cost_model(TeraPipeConfig.from_section({**section, "sequence_parallel": 1}), 2, CONFIG, choices)
+
+
+def test_a_runs_cost_model_plans_its_resume_alike(monkeypatch, tmp_path):
+    """The cost model a run writes holds a rank's costs (exchanges in), the group's all-to-all and the link's
+    own per byte; planned from it (a --resume) the plan and its prediction are the run's."""
+    from tp_trainer.planner.cost_model import PipelineCost
+    path = str(tmp_path / "cost.json")
+    monkeypatch.setattr(auto, "_measure", lambda *args, **kwargs: (layers(), 1e-5, 1e-10, {"seq_len": 96}))
+    monkeypatch.setattr(auto, "measure_all_to_all", lambda ranks, sizes, device: (2e-4, 1e-9))
+    first, _ = auto.measured_layout(CONFIG, 96, 1, 2, analytic(), 1, 3, cost_model_path=path, split_blocks=False,
+                                    sequence_ranks=2)
+    saved = PipelineCost.load(path)
+    assert saved.p2p_per_byte == 1e-10 and saved.meta["exchange"] == [2e-4, 1e-9]
+    monkeypatch.setattr(auto, "measure_all_to_all", lambda *args: pytest.fail("a cost model's plan times nothing"))
+    again, text = auto.measured_layout(CONFIG, 96, 1, 2, analytic(), 1, 3, cost=saved, split_blocks=False,
+                                       sequence_ranks=2)
+    assert again.plan.slices == first.plan.slices and again.predicted == pytest.approx(first.predicted, rel=1e-12)
+    assert "200 us + 1.000 ns/byte" in text
