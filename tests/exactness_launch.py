@@ -19,7 +19,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "exactness_worker.py")
 WORLDS = (1, 2, 3, 4)
 WORLD_OF = {case["name"]: world for world in WORLDS
             for case in ec.cases(world) + packed_cases.cases(world) + sequence_cases.cases(world)
-            + sequence_cases.packed(world) + sequence_cases.bf16_cases(world)}
+            + sequence_cases.packed(world) + sequence_cases.bf16_cases(world) + sequence_cases.auto_cases(world)}
 
 
 class ExactnessRuns:

@@ -7,7 +7,7 @@ ones with grouped-query attention whose 2 K/V heads split over the 2 ranks ("lla
 K/V head is replicated on both ("llama-mqa"). 2 ranks: 1 stage x 2 sequence ranks; 4 ranks: 2 stages x 2
 sequence ranks, and with ZeRO-1 (partitions over sequence x data ranks) 1 stage x 2 sequence ranks x 2
 replicas and 2 stages x 2 sequence ranks (fp32 only: DeepSpeed's ZeRO-1 takes no float64). Packed examples:
-packed_cases.py's blocks on the same slices.
+packed_cases.py's blocks on the same slices. On 4 ranks one case plans its slices ("slices": "auto": ``auto_cases``).
 """
 
 from __future__ import annotations
@@ -64,12 +64,33 @@ def runs(world: int) -> dict:
            for key, dtype in ec.DTYPES.items() if key in case["dtypes"]}
     out.update({f"{case['name']}@{key}": packed_cases.train(case, dtype) for case in packed(world)
                 for key, dtype in ec.DTYPES.items() if key in case["dtypes"]})
+    for case in auto_cases(world):   # the planner's profile kept short: the test checks the path, not the plan
+        config = ds_config(case)
+        config["terapipe"].update(granularity=1, profile_seconds=1)
+        out[f"{case['name']}@f64"] = train(case, torch.float64, config, inspect=plan_words)
     for case in bf16_cases(world):
         config = ds_config(case)
         config.update(bf16={"enabled": True}, zero_optimization={"stage": case["bf16_zero"]})
         config["optimizer"]["params"].pop("torch_adam")
         out[f"{case['name']}@bf16"] = train(case, torch.float32, config)
     return out
+
+
+def auto_cases(world: int) -> list[dict]:
+    """``"slices": "auto"`` over sequence ranks (4 ranks: 2 stages x 2 sequence ranks, float64): the planner
+    profiles the parts at l/2 tokens, times the sequence group's all-to-all and plans on a grain of 2 tokens
+    (``granularity`` 1 raised to a multiple of the ranks); the run must train what HF trains on its slices."""
+    if world != 4:
+        return []
+    case = _case(2, "gpt2", False, "gpipe", dtypes=("f64",))   # one sequence in flight: slicing fills the pipeline
+    return [{**case, "name": case["name"].replace("-mb3", "-mb1").replace("-gpipe", "-auto-gpipe"), "slices": "auto",
+             "microbatches": 1}]
+
+
+def plan_words(engine) -> dict:
+    """What a run prints of its plan: the ``plan:`` line's slices and layout (run.py), the planner's report."""
+    from tp_trainer.run import layout_words
+    return {"plan": f"plan: {engine.plan}, {layout_words(engine)}", "report": engine.run_plan.report}
 
 
 def packed(world: int) -> list[dict]:
@@ -105,15 +126,16 @@ def ds_config(case: dict) -> dict:
     return config
 
 
-def train(case: dict, dtype: torch.dtype, config: dict | None = None) -> dict:
+def train(case: dict, dtype: torch.dtype, config: dict | None = None, inspect=None) -> dict:
     """One rank's run of the case (pipeline_harness.train_case), under ``config`` (default ``ds_config``);
-    its "inspect": a LoRA case's footprint, else the ranks the optimizer partitions its state over."""
+    its "inspect" (``inspect(engine)``; default a LoRA case's footprint, else the ranks the optimizer
+    partitions its state over)."""
     import lora_cases
     import pipeline_harness as harness
+    inspect = inspect or (lora_cases.footprint if case["lora"] is not None else partition_ranks)
     return harness.train_case(model(case, dtype), config or ds_config(case),
                               lambda step, replica: ec.batches(case, step, replica),
-                              ec.STEPS, lambda replica: ec.batches(case, ec.EVAL_STEP, replica),
-                              inspect=lora_cases.footprint if case["lora"] is not None else partition_ranks)
+                              ec.STEPS, lambda replica: ec.batches(case, ec.EVAL_STEP, replica), inspect=inspect)
 
 
 def partition_ranks(engine) -> int:

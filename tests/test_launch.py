@@ -55,15 +55,13 @@ BAD_INPUTS = [
      "terapipe.cuda_graphs: ZeRO stage 1 hooks every parameter's gradient"),
     ({"terapipe.cuda_graphs": True}, 2, {"packing": "examples"},
      "--packing examples: several examples per row change the attention"),
-    # sequence ranks: the world, the slices, the heads, a combination not supported yet
+    # sequence ranks: the world, the slices, the heads
     ({"terapipe.sequence_parallel": 2}, 2, {}, "pipeline.stages: world size 2 is not divisible by 2 stages x 2 "
                                                "sequence ranks; launch a multiple of 4 ranks"),
     ({"terapipe.sequence_parallel": 2, "pipeline.stages": 1, "terapipe.slices": [81, 71, 56, 48]}, 2, {},
      "terapipe.slices: with terapipe.sequence_parallel 2 every slice length must be a multiple of 2"),
     ({"terapipe.sequence_parallel": 3, "pipeline.stages": 1, "terapipe.seq_len": 255, "terapipe.slices": "uniform:5"},
      3, {}, "terapipe.sequence_parallel: 3 does not fit the model: its 4 attention heads do not split over 3"),
-    ({"terapipe.sequence_parallel": 2, "pipeline.stages": 1, "terapipe.slices": "auto"}, 2, {},
-     "terapipe.sequence_parallel: 2 sequence ranks do not run with terapipe.slices \"auto\" yet"),
     ({"pipeline.stages": 1}, 2, {"sequence_parallel": 0}, "terapipe.sequence_parallel: must be a positive integer"),
 ]
 

@@ -103,3 +103,28 @@ def test_a_gpu_counts_its_allocator_not_the_resident_set(monkeypatch):
     assert memory.used_above_mb(300.0, gpu) == 512.0 and memory.peak_above_mb(300.0, gpu) == 4096.0
     report = memory_report(gpu, budget={"baseline_mb": 300.0, "predicted_mb": 4000.0, "limit_mb": 9000.0})
     assert "above the 300 MiB before the model 4096 MiB (predicted 4000 MiB" in report
+
+
+def test_the_last_stage_loss_counts_among_the_saved_activations(monkeypatch):
+    """--memory_report's tracker counts what the plain path's slice loss saves (its log-softmax of the
+    slice's logits), not only the stage's layers: the engine's forward of a unit on the last stage, with the
+    layers stubbed to return logits that save nothing themselves."""
+    from types import SimpleNamespace
+
+    from tp_trainer import ds_compat
+    from tp_trainer.engine import TeraPipeEngine
+    b, l, vocab = 2, 8, 512
+    logits = torch.randn(b, l, vocab, requires_grad=True)
+    monkeypatch.setattr(ds_compat, "stage_forward", lambda engine, inputs: logits + 0)   # saves no tensor
+    tracker = ActivationTracker()
+    engine = SimpleNamespace(_kv={0: None}, slice_context=SimpleNamespace(begin=lambda kv, start, length: None),
+                             _offsets=[0], _slices=[l], captured=None, head_loss=None, activation_tracker=tracker,
+                             _inputs={(0, 0): torch.zeros(b, l, dtype=torch.long)},
+                             _labels={(0, 0): torch.randint(0, vocab, (b, l))}, is_last_stage=lambda: True,
+                             layouts=SimpleNamespace(divisor=lambda m, tokens: tokens), _tokens_per_microbatch=b * l,
+                             fwd_outputs=[], _losses={})
+    engine._forward_slice = lambda m, j: TeraPipeEngine._forward_slice(engine, m, j)
+    TeraPipeEngine._exec_forward_slice(engine, SimpleNamespace(microbatch=0, slice=0))
+    assert tracker.live >= b * l * vocab * 4, tracker.live   # the log-softmax, fp32
+    engine._losses.pop((0, 0)).backward()
+    assert tracker.live == 0

@@ -3,7 +3,8 @@
 The cases (sequence_cases.py) run inside the exactness launches of 2 and 4 ranks (exactness_launch.py):
 1 stage x 2 sequence ranks, 2 stages x 2 sequence ranks, 1 stage x 2 sequence ranks x 2 replicas (ZeRO-1);
 GPT-2 and Llama-style models whose K/V heads split or are replicated; gpipe and 1f1b, W deferred or in B,
-activation checkpointing, LoRA, packed examples across shards and slices. Criteria as test_exactness.py:
+activation checkpointing, LoRA, packed examples across shards and slices, slices the planner chose ("auto").
+Criteria as test_exactness.py:
 float64 within 1e-12 (loss) / 1e-9 (every gradient, the parameters after 3 AdamW steps, the eval loss)
 wherever DeepSpeed's data-parallel reduction is not involved; fp32 within its own noise in every case.
 """
@@ -45,6 +46,30 @@ def test_packed_examples_over_sequence_ranks(exactness_runs, case):
                  packed_cases.reference(case, torch.float32)))
 
 
+AUTO = [case for world in WORLDS for case in sc.auto_cases(world)]
+
+
+@pytest.mark.parametrize("case", AUTO, ids=[c["name"] for c in AUTO])
+def test_auto_slices_over_sequence_ranks(exactness_runs, case):
+    """"slices": "auto" with 2 sequence ranks per stage: every rank's plan line shows the planner's slices, each
+    a multiple of 2 (its grain: granularity 1 raised to the ranks), the report prices the group's all-to-alls,
+    and the run trains what HF trains (float64)."""
+    import re
+    got = exactness_runs[f"{case['name']}@f64"]
+    assert got["sequence_ranks"] == {0, 1}
+    lines = {seen["plan"] for seen in got["inspected"]}
+    assert len(lines) == 1, lines   # one plan on every rank
+    line = lines.pop()
+    found = re.search(r"plan: SlicePlan\(seq_len=16, (\d+) slices \[([\d, ]+)\]", line)
+    slices = [int(x) for x in found.group(2).split(",")]
+    assert int(found.group(1)) == len(slices) and sum(slices) == 16 and all(s % 2 == 0 for s in slices), line
+    assert "2 stages x 2 sequence ranks" in line, line
+    report = got["inspected"][0]["report"]
+    assert "sequence ranks: 2 per stage" in report and "slices on a grain of 2 tokens" in report, report
+    worst = harness.check_float64(got, sc.reference(case, torch.float64))
+    print(case["name"], line, "| float64 " + " ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+
+
 BF16 = [case for world in WORLDS for case in sc.bf16_cases(world)]
 BF16_TOL = 2e-4   # relative: the loss of each step and the eval loss (measured ~3e-5)
 
@@ -74,7 +99,8 @@ def test_heads_split_or_replicate_over_the_sequence_ranks(heads, kv_heads, size,
 
 
 def test_a_block_that_does_not_attend_through_the_slice_attention_is_refused():
-    """Eager attention (or a family whose blocks take a mask tensor) cannot exchange heads: one ConfigError."""
+    """Eager attention (or a family whose blocks take a mask tensor) cannot exchange heads: one ConfigError;
+    an MLP half holds no attention to exchange in."""
     from types import SimpleNamespace
 
     from tp_trainer.config import ConfigError
@@ -86,6 +112,8 @@ def test_a_block_that_does_not_attend_through_the_slice_attention_is_refused():
     with pytest.raises(ConfigError, match=r"terapipe.sequence_parallel: transformer.h.0 attends through 'eager'"):
         TeraPipeModule._check_sequence_attention(module)
     block.spans = True
+    TeraPipeModule._check_sequence_attention(module)
+    block.spans, block.attends = False, False   # an MLP half (a split may cut a block) attends to nothing
     TeraPipeModule._check_sequence_attention(module)
 
 

@@ -242,7 +242,7 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices
                           f"hidden size {measured[1]}, this run has {stages} stages of hidden size {hidden}; "
                           f"delete it to profile again, or point to the model's own cost model")
     run = measured_settings(choices.device_type, choices.precision, choices.fused_norms, model_config,
-                            choices.cuda_graphs, AttentionChoice(choices.attention))
+                            choices.cuda_graphs, AttentionChoice(choices.attention), terapipe.sequence_parallel)
     written = {key: cost.meta.get(key, UNRECORDED_SETTINGS[key]) for key in run}
     differ = [key for key in run if written[key] != run[key]]
     if differ:
@@ -258,9 +258,10 @@ def read_cost_model(terapipe: TeraPipeConfig, stages: int, model_config, choices
 
 # What a cost model without the key was measured with: files written before a setting was recorded
 # came from runs that had only this value (fp32 before precision, HF's norms before fused ones, eager
-# profiles before captured ones, CPUs, the split or flash slice attention before the bottom-right one).
+# profiles before captured ones, CPUs, the split or flash slice attention before the bottom-right one, one
+# rank per stage's slices before sequence ranks could plan).
 UNRECORDED_SETTINGS = {"device": "cpu", "dtype": "fp32", "fused_norm": False, "cuda_graphs": False,
-                       "attention": "auto"}
+                       "attention": "auto", "sequence_ranks": 1}
 
 
 def _setting_words(key: str, value) -> str:
@@ -271,6 +272,8 @@ def _setting_words(key: str, value) -> str:
         return "with captured blocks (terapipe.cuda_graphs)" if value else "with eager blocks"
     if key == "attention":
         return f"with slice attention {value} (terapipe.attention)"
+    if key == "sequence_ranks":
+        return f"with {value} sequence rank{'s' if value != 1 else ''} per stage (terapipe.sequence_parallel)"
     return f"{'on' if key == 'device' else 'in'} {value}"
 
 

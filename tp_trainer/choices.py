@@ -180,9 +180,6 @@ def _sequence_rule(key: str, refuses: Callable[[RunInputs], bool], setting: str,
 
 
 SEQUENCE_RULES: tuple[Rule, ...] = (
-    _sequence_rule("terapipe.slices", lambda i: i.terapipe.auto, "terapipe.slices \"auto\"",
-                   "the planner profiles a stage without its sequence group's exchanges",
-                   "give the slices (each a multiple of the sequence ranks) or set sequence_parallel 1"),
     _sequence_rule("terapipe.cuda_graphs", lambda i: i.terapipe.cuda_graphs, "terapipe.cuda_graphs",
                    "the all-to-alls are collectives a captured block would replay unordered with the transfers",
                    "set cuda_graphs false"),

@@ -52,7 +52,8 @@ class TeraPipeConfig:
     """With "auto": a cost-model JSON to plan from (no profiling); written after profiling if absent."""
 
     granularity: int = 8
-    """With "auto": slice lengths are multiples of this many tokens (the DP's step)."""
+    """With "auto": slice lengths are multiples of this many tokens (the DP's step; with N sequence ranks of
+    lcm(granularity, N): ``planner.sequence_cost.planner_granularity``)."""
 
     profile_seconds: float = 60.0
     """With "auto": time budget of the start-up profile of each stage."""
@@ -147,7 +148,8 @@ class TeraPipeConfig:
     """Sequence ranks per stage, N: each slice's l tokens are spread over N ranks of its stage, l/N
     contiguous tokens each, with an all-to-all around attention (Ulysses over the slice, through the K/V
     cache: ``model/slices/sequence_ranks.py``). The world is stages x N x replicas, a sequence group N
-    consecutive ranks of one node; slice lengths (and ``granularity``) are multiples of N; the heads (and
+    consecutive ranks of one node; slice lengths are multiples of N ("auto" plans them on a grain of
+    lcm(granularity, N), pricing a rank's share and its all-to-alls: ``planner/sequence_cost.py``); the heads (and
     K/V heads, or N a multiple of them) split over N. Each rank keeps l/N tokens' activations and its
     heads' K/V. 1 (the default): off. Also ``--sequence_parallel``."""
 

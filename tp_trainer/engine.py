@@ -304,22 +304,29 @@ class TeraPipeEngine(PipelineEngine):
         if self.head_loss is not None:
             self.head_loss.labels = self._labels[(m, j)]
         if self.activation_tracker is None:
-            outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
-        else:
+            outputs = self._forward_slice(m, j)
+        else:   # what the last stage's loss saves counts too
             with self.activation_tracker.track():
-                outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
+                outputs = self._forward_slice(m, j)
         training = torch.is_grad_enabled()
         if not training and j == len(self._slices) - 1:
             del self._kv[m]  # no backward will need it
-        if self.is_last_stage():
-            labels = self._labels.pop((m, j))
-            divisor = self.layouts.divisor(m, self._tokens_per_microbatch)
-            loss = outputs / divisor if self.head_loss is not None else slice_loss(outputs, labels, divisor)
-            self.fwd_outputs.append(loss.detach())   # train_batch / eval_batch sum them
+        if self.is_last_stage():   # outputs: the slice's loss
+            self.fwd_outputs.append(outputs.detach())   # train_batch / eval_batch sum them
             if training:
-                self._losses[(m, j)] = loss
+                self._losses[(m, j)] = outputs
         else:
             self._outputs[(m, j)] = outputs
+
+    def _forward_slice(self, m: int, j: int) -> torch.Tensor:
+        """The stage's output of unit (m, j): on the last stage its loss (the fused head's, or the plain
+        path's ``slice_loss`` of the logits), over the microbatch's divisor."""
+        outputs = ds_compat.stage_forward(self, self._inputs[(m, j)])
+        if not self.is_last_stage():
+            return outputs
+        labels = self._labels.pop((m, j))
+        divisor = self.layouts.divisor(m, self._tokens_per_microbatch)
+        return outputs / divisor if self.head_loss is not None else slice_loss(outputs, labels, divisor)
 
     def _capture(self, m: int, j: int) -> None:
         """The captured blocks run unit (m, j) next; before the first training unit, every unit of the

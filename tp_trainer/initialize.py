@@ -182,7 +182,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
     from .model.stages.split import split_for_config
     from .planner.auto import measured_layout as plan
     terapipe, stages = spec.terapipe, spec.stages
-    micro, accumulation = replica_batch(spec.ds_config, launch_world_size() // stages)
+    micro, accumulation = replica_batch(spec.ds_config, launch_world_size() // (stages * terapipe.sequence_parallel))
     adapter = adapter_for(config)
     analytic = split_for_config(config, stages, adapter.PREFIX, adapter.SUFFIX)
     fixed_micro = None if terapipe.microbatches == "auto" else micro
@@ -191,6 +191,7 @@ def measured_layout(spec: PipelineSpec, config, device, baseline_mb: float | Non
                 memory_limit_bytes(terapipe, device), baseline_mb, terapipe.split_blocks,
                 terapipe.share_halves, lora=terapipe.lora, dtype=spec.choices.precision,
                 fused_norm=spec.choices.fused_norms, captured=spec.choices.cuda_graphs,
-                attention=attention or AttentionChoice(spec.choices.attention))
+                attention=attention or AttentionChoice(spec.choices.attention),
+                sequence_ranks=terapipe.sequence_parallel)
 
 

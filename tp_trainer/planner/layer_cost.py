@@ -345,14 +345,15 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
                    device="cpu", rank: int = 0, world: int = 1,
                    max_unit_bytes: float | None = None, halves: bool = True,
                    dtype: torch.dtype = torch.float32, fused_norm: bool = False,
-                   captured: bool = False, attention=None) -> tuple[dict, tuple, tuple]:
+                   captured: bool = False, attention=None, longest: int | None = None) -> tuple[dict, tuple, tuple]:
     """This rank's share of the parts (part i on rank i % world), profiled: ({part: (StageCost,
     PartMemory)}, prefix names, suffix names). Each part's memory is measured first (short slices);
     with ``max_unit_bytes`` the timing grid skips the points it predicts above that (``profile_stage``).
     ``dtype``: the run's compute dtype, the probe's weights and activations (bf16 / fp16 time unlike fp32);
     ``fused_norm``: the probe's RMSNorms fused, as the run's; ``captured``: the block's parts timed from
     CUDA graphs, as ``terapipe.cuda_graphs`` runs them (``profile_stage``); prefix and suffix stay eager;
-    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``), the probe's."""
+    ``attention``: the run's slice attention kernel (``attention_cuda.AttentionChoice``), the probe's;
+    ``longest``: the longest slice timed (default seq_len; with sequence ranks a rank's seq_len / N)."""
     from .memory_model import measure_part
     from .profile import busy_until_all_done, mlp_filler, profile_stage
     parts, ctx, adapter = probe_parts(config, device, dtype=dtype, halves=halves, fused_norm=fused_norm,
@@ -366,7 +367,8 @@ def measure_layers(config, seq_len: int, batch_sizes, granularity: int = 8, time
         cost = profile_stage(parts[name], ctx, config.hidden_size, seq_len, batch_sizes, granularity,
                              max(budget, 0.0), desc=f"profile {name} (rank {rank})",
                              footprint=lambda b, l, c: memory.unit_bytes(b, l, c, seq_len, mask_pair),
-                             max_bytes=max_unit_bytes, captured=captured and name not in ("prefix", "suffix"))
+                             max_bytes=max_unit_bytes, captured=captured and name not in ("prefix", "suffix"),
+                             longest=longest)
         out[name] = (cost, memory)
     busy_until_all_done(mlp_filler(config.hidden_size))  # the parts measured with every rank computing, as in the step
     return out, tuple(adapter.PREFIX), tuple(adapter.SUFFIX)

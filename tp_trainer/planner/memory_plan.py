@@ -101,11 +101,14 @@ def peaks(plan: PlannedBatch, mems: list, schedule: str, ckpt: tuple, split_weig
 
 def candidates(layers, parts: dict, split, seq_len: int, batch: int, stages: int, granularity: int = 8,
                microbatch_size: int | None = None, latency: float = 0.0, per_byte: float = 0.0,
-               schedules=("gpipe", "1f1b"), split_weight_grads: bool = True, overhead: float = 0.0) -> list[Candidate]:
-    """Every candidate (see the module docstring), fastest first; ``overhead`` as in ``memories``."""
+               schedules=("gpipe", "1f1b"), split_weight_grads: bool = True, overhead: float = 0.0,
+               sequence_ranks: int = 1, kv_heads: int = 1) -> list[Candidate]:
+    """Every candidate (see the module docstring), fastest first; ``overhead``, ``sequence_ranks`` and
+    ``kv_heads`` as in ``memories`` (N > 1: ``layers`` are a sequence rank's costs, ``granularity`` a
+    multiple of N)."""
     base = layers.pipeline_cost(split, latency, per_byte)
     mems = memories(parts, split, layers.block.hidden * layers.block.bytes_per_element, overhead,
-                    layers.block.bytes_per_element)
+                    layers.block.bytes_per_element, sequence_ranks, kv_heads)
     out = []
     for ckpt in ckpt_choices(stages):
         cost = with_ckpt(base, ckpt)
@@ -145,10 +148,12 @@ def choose(cands: list[Candidate], limit_bytes: float, longest=None) -> Candidat
 
 
 def longest_fitting(parts: dict, split, hidden_bytes: float, seq_len: int, stages: int, microbatch_sizes,
-                    granularity: int = 8, overhead: float = 0.0, mask_pair: float = 0.0):
+                    granularity: int = 8, overhead: float = 0.0, mask_pair: float = 0.0, sequence_ranks: int = 1,
+                    kv_heads: int = 1):
     """A function limit -> the longest sequence (a multiple of ``granularity``, <= seq_len) for which
-    some uniform plan fits the limit less MARGIN (any order and checkpointing); 0 if none."""
-    mems = memories(parts, split, hidden_bytes, overhead, mask_pair)
+    some uniform plan fits the limit less MARGIN (any order and checkpointing); 0 if none; the memory
+    of one of ``sequence_ranks`` ranks (``memories``)."""
+    mems = memories(parts, split, hidden_bytes, overhead, mask_pair, sequence_ranks, kv_heads)
 
     def least_peak(length: int) -> float:
         counts = [n for n in COUNTS if n <= max(1, length // granularity)]

@@ -164,11 +164,14 @@ def _parameters(func):
     return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
 
 
-def grid(seq_len: int, batch_sizes, granularity: int = 8, seed: int = 0) -> list[tuple[int, int, int]]:
-    """Grid points (b, l, c), shuffled with a fixed seed (see the module docstring)."""
-    lengths, l = {seq_len}, max(1, granularity)
-    while l < seq_len:
-        lengths.update({l, min(seq_len, l * 3 // 2)})
+def grid(seq_len: int, batch_sizes, granularity: int = 8, seed: int = 0,
+         longest: int | None = None) -> list[tuple[int, int, int]]:
+    """Grid points (b, l, c), shuffled with a fixed seed (see the module docstring); ``longest``: the
+    slices' longest length (default seq_len; a sequence rank's share of a slice: seq_len / N)."""
+    longest = seq_len if longest is None else max(1, min(seq_len, int(longest)))
+    lengths, l = {longest}, max(1, granularity)
+    while l < longest:
+        lengths.update({l, min(longest, l * 3 // 2)})
         l *= 2
     points = set()
     for b in batch_sizes:
@@ -218,7 +221,7 @@ def within(points: list, footprint, max_bytes: float | None, least: int) -> list
 def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_sizes=(1,),
                   granularity: int = 8, time_budget_s: float = 60.0, warmup: int = 1, repeats: int = 3,
                   progress: bool = True, desc: str = "profile", footprint=None,
-                  max_bytes: float | None = None, captured: bool = False) -> StageCost:
+                  max_bytes: float | None = None, captured: bool = False, longest: int | None = None) -> StageCost:
     """Measure a stage's layers over the grid and fit its ``StageCost``.
 
     Leaves the layers as found: gradients that were None are reset, the RNG state is restored.
@@ -230,7 +233,8 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     of a run with ``terapipe.cuda_graphs``: each point is timed replayed from its own captured graphs
     (``StageRunner.captured_run``), weight gradients in each unit's backward (no W column: captured
     blocks have no W instruction; by default they make the weight gradients once per sequence inside
-    the first slice's graph, which the fit spreads over the units).
+    the first slice's graph, which the fit spreads over the units). ``longest``: the grid's longest slice
+    (``grid``; default seq_len).
     """
     runner = StageRunner(layers, ctx, hidden, seq_len)
     run, deferred = runner.captured_run, []
@@ -240,7 +244,7 @@ def profile_stage(layers, ctx: SliceContext, hidden: int, seq_len: int, batch_si
     had_grad = {id(p) for p in runner.params if p.grad is not None}
     rng_state = torch.random.get_rng_state()
     least = len(FEATURES) + 3
-    points = within(grid(seq_len, batch_sizes, granularity), footprint, max_bytes, least)
+    points = within(grid(seq_len, batch_sizes, granularity, longest=longest), footprint, max_bytes, least)
     guard = Footprint(footprint, max_bytes, runner.device) if footprint is not None and max_bytes is not None else None
     rows, start = [], time.perf_counter()
     bar = _progress(len(points), desc, progress)

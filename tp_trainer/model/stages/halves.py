@@ -65,6 +65,8 @@ class AttentionHalf(DecoderBlock):
 class MLPHalf(DecoderBlock):
     """hidden + mlp(norm_2(hidden)): (b, l, h) -> (b, l, h), per token (no context, no cache)."""
 
+    attends = False
+
     def run_slice(self, hidden):
         norm, mlp = self.inner.children()
         return hidden + mlp(norm(hidden))

@@ -220,6 +220,8 @@ class DecoderBlock(HFPart):
     l x (c + l) mask or scores); eager blocks get the mask tensor.
     """
 
+    attends = True   # it holds an attention (an MLP half does not: ``halves.MLPHalf``)
+
     def __init__(self, inner, hf_name, ctx, *, window: int | None = None, rotary: nn.Module | None = None,
                  position_ids: bool = False, cache_arg: str = "past_key_values"):
         super().__init__(inner, hf_name, ctx)

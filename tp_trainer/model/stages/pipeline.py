@@ -37,8 +37,9 @@ class TeraPipeModule(PipelineModule):
             self._check_sequence_attention()
 
     def _check_sequence_attention(self) -> None:
-        """Sequence ranks exchange heads inside the slice attention: every block must attend through it."""
-        eager = [f.hf_name for f in self.modules() if isinstance(f, DecoderBlock) and not f.spans]
+        """Sequence ranks exchange heads inside the slice attention: every block (or attention half) must
+        attend through it; an MLP half attends to nothing."""
+        eager = [f.hf_name for f in self.modules() if isinstance(f, DecoderBlock) and f.attends and not f.spans]
         if eager:
             raise ConfigError(f"terapipe.sequence_parallel: {eager[0]} attends through "
                               f"{self.slice_context.attn_implementation!r} attention, not the slice attention the "
