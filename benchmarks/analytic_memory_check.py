@@ -16,8 +16,9 @@ corpus, ``--memory_report``, one evaluation batch at the end):
   8 even slices of 256), 2 microbatches, gpipe, 4 ranks.
 
 Predicted: the dry run's own path (``checks.validate``, ``dry_run_plan.plan_run``, ``run_shape``,
-``stage_memories``) judged for this CPU (``choices.Machine("cpu")``: fp32), the stage total; the
-CUDA context and libraries' ``RESERVED_GIB`` is not in it (``fits`` adds it on a GPU only). Measured
+``stage_memories``) judged for this CPU (``choices.Machine("cpu")``: fp32), the stage total, its
+CPU-only ``host`` term included (code pages, DeepSpeed's shared-memory all-reduce buffers; 0 on a GPU);
+the CUDA context and libraries' ``RESERVED_GIB`` is not in it (``fits`` adds it on a GPU only). Measured
 (``_analytic_memory_worker.py``): the peak RSS over the steps (VmHWM, window started after the build)
 above the rank's RSS just before the model was built (Python, torch, DeepSpeed, the process group and the
 data already there), with the heap leaned (``memory.lean_heap``: freed tensors go back to the OS, so RSS
@@ -136,6 +137,7 @@ def compare(name: str, predicted: list[dict], records: list[dict]) -> list[dict]
         saved = (p["activations"] + p["kv"] + p["logits"]) / MIB
         rows.append({"run": name, "stage": stage, "ranks": len(mine), "predicted_mb": total,
                      "static_mb": (p["weights"] + p["gradients"] + p["optimizer"]) / MIB, "saved_predicted_mb": saved,
+                     "host_mb": p["host"] / MIB,
                      "measured_mb": measured, "error": error, "met": abs(error) <= GOAL,
                      "tracked_mb": worst["tracked_mb"], "built_mb": worst["built_mb"], "base_mb": worst["base_mb"],
                      "prediction": p, "records": mine})
@@ -143,16 +145,18 @@ def compare(name: str, predicted: list[dict], records: list[dict]) -> list[dict]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | stage | predicted MiB (weights+grads+optimizer / saved) | measured MiB | error | within 15% "
-             "| tracked saved MiB | build peak MiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | stage | predicted MiB (weights+grads+optimizer / saved / host) | measured MiB | error "
+             "| within 15% | tracked saved MiB | build peak MiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['run']} | {r['stage']} | {r['predicted_mb']:.1f} ({r['static_mb']:.1f} / "
-                     f"{r['saved_predicted_mb']:.1f}) | {r['measured_mb']:.1f} | {r['error'] * 100:+.1f}% | "
+                     f"{r['saved_predicted_mb']:.1f} / {r['host_mb']:.1f}) | {r['measured_mb']:.1f} | "
+                     f"{r['error'] * 100:+.1f}% | "
                      f"{'met' if r['met'] else 'NOT met'} | {r['tracked_mb']:.1f} | {r['built_mb']:.1f} |")
     met = sum(r["met"] for r in rows)
     lines.append(f"\n{met} of {len(rows)} stages within 15% (goal: all). Measured: peak RSS over the steps above the "
-                 "RSS before the model was built (heap leaned); predicted: the dry run's stage total on CPU (fp32), "
-                 "no CUDA reserve. On a GPU the model stays unvalidated until a GPU run measures it.")
+                 "RSS before the model was built (heap leaned); predicted: the dry run's stage total on CPU (fp32, its "
+                 "host term included), no CUDA reserve. On a GPU the model stays unvalidated until a GPU run "
+                 "measures it.")
     return "\n".join(lines)
 
 

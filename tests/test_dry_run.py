@@ -79,7 +79,8 @@ def test_recipe_fits_the_gpus_it_names(path, tmp_path, monkeypatch, capsys):
     assert result["tokens_per_s"] > result["baseline"]["tokens_per_s"] > 0
     for stage in result["stages"]:
         assert set(stage["memory_gib"]) == {"weights", "gradients", "optimizer", "activations", "kv", "logits",
-                                            "total"}
+                                            "host", "total"}
+        assert stage["memory_gib"]["host"] == 0   # CPU-only memory: nothing on the GPUs judged
     assert sum(result["plan"]["slices"]) == result["plan"]["seq_len"]
     assert all(length % result["layout"]["sequence_ranks"] == 0 for length in result["plan"]["slices"])
 

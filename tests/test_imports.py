@@ -131,12 +131,13 @@ def test_checker_finds_a_planted_cycle(tmp_path):
 # The planner is a pipeline of values, each module using only those before it: measured or analytic
 # costs (cost_model, analytic, profile) -> TeraPipe's DP (dp) -> the predicted step (predict) -> the report
 # (report) -> slices refined under the simulated step (refine) ->
-# memory (memory_model, its share per sequence rank sequence_memory, analytic_memory, memory_plan) -> the split
-# and slices together (layer_cost) -> a sequence rank's costs of the layers (sequence_cost) -> the analytic GPU
-# model of a model's layers (gpu_model) -> the run's entry (auto) -> the command line (cli). Nothing in it reaches back up into the run (checks, initialize, engine, run).
+# memory (memory_model, its share per sequence rank sequence_memory, analytic_saved, analytic_memory,
+# memory_plan) -> the split and slices together (layer_cost) -> a sequence rank's costs of the layers
+# (sequence_cost) -> the analytic GPU model of a model's layers (gpu_model) -> the run's entry (auto) -> the
+# command line (cli). Nothing in it reaches back up into the run (checks, initialize, engine, run).
 PLANNER_LAYERS = ["cost_model", "analytic", "profile", "dp", "predict", "report", "refine", "memory_model",
-                  "sequence_memory", "analytic_memory", "memory_plan", "layer_cost", "sequence_cost", "gpu_model", "auto",
-                  "cli", "__main__"]
+                  "sequence_memory", "analytic_saved", "analytic_memory", "memory_plan", "layer_cost", "sequence_cost",
+                  "gpu_model", "auto", "cli", "__main__"]
 RUN_MODULES = {"tp_trainer.checks", "tp_trainer.initialize", "tp_trainer.engine", "tp_trainer.run"}
 
 

@@ -159,7 +159,9 @@ def run_shape(spec, planned: DryPlan, **changes) -> am.RunShape:
                         choices.zero_stage == 1 or choices.bf16_optimizer, planned.replicas,
                         terapipe.sequence_parallel, terapipe.seq_len, plan.microbatch_sizes[0],
                         len(plan.microbatch_sizes), max(max(s) for s in plan.slices), planned.schedule,
-                        query_key_pairs(plan.slices[0]) if choices.packing == "examples" else 0.0)
+                        query_key_pairs(plan.slices[0]) if choices.packing == "examples" else 0.0,
+                        device_type=choices.device_type, fused_norms=choices.fused_norms,
+                        deferred_w=choices.weight_grads_in_b is None, slices=tuple(plan.slices[0]))
     return dataclasses.replace(shape, **changes)
 
 
