@@ -49,7 +49,6 @@ READ_AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "LD_", 
                  "TP_TEST_FAULT")
 ZYGOTES = 4   # rank indices served (the tests' largest world); a launch of more ranks starts fresh ones
 _LOCK = threading.Lock()
-ZYGOTE_START_ENV: dict = {}   # in a zygote: its environment at start (its ranks' PYTHONPATH is judged against it)
 _ZYGOTES: dict[int, "Zygote"] = {}
 
 
@@ -177,8 +176,6 @@ class Zygote:
 def serve(request_fd: int, reply_fd: int) -> None:
     """Import ``PRELOAD``, then fork a rank for each request and report each rank's end; leave when
     the requests' pipe closes (the test process is gone)."""
-    global ZYGOTE_START_ENV
-    ZYGOTE_START_ENV = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
@@ -240,12 +237,12 @@ def _run(request: dict) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
+    hooks = hook_dirs(request["env"], os.environ)   # judged against the zygote's own PYTHONPATH, still set
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     script = request["script"]
     sys.path[0] = os.path.dirname(script)   # the rest is the zygote's: PYTHONPATH (the same, usable) and site
-    hooks = hook_dirs(request["env"], ZYGOTE_START_ENV)
     sys.path[1:1] = hooks   # where PYTHONPATH puts them: after the script's folder
     sys.argv = [script, *request["args"]]
     if hooks:   # site imports the first sitecustomize on the path, before the script
