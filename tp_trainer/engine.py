@@ -40,12 +40,10 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 
 from . import ds_compat
 from .choices import RunChoices
-from .model.cuda.captured_blocks import capture_blocks, has_blocks
-from .model.slices.grad_sink import CAPTURED_MERGED, GradSink, make_grad_sink
-from .model.slices.head_loss import HeadLossLabels, fuse_head_loss, slice_loss
+from .failures import PipelineFailure, instruction_failure
+from .model.slices.head_loss import slice_loss
 from .model.slices.segments import MicrobatchLayouts
 from .model.slices.slice_cache import SequenceKV
-from .model.slices.weight_grad import defer_stage_weight_grads
 from .memory import ActivationTracker, used_above_mb
 from .p2p import Transfers, to_device
 from .plan import RunPlan, SlicePlan
@@ -53,13 +51,10 @@ from .schedule import (BackwardSlice, ForwardSlice, LoadSlice, OptimizerStep, Re
                        ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad, WeightGrad, build_schedule,
                        forward_only)
 from .schedule.calls import Program
+from .stage_compute import build_stage_compute, capture_step
 
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.half}   # RunChoices.precision -> activations' dtype
-
-
-class PipelineFailure(RuntimeError):
-    """An instruction failed; the message names the rank, stage, instruction and peer."""
 
 
 class TeraPipeEngine(PipelineEngine):
@@ -95,17 +90,12 @@ class TeraPipeEngine(PipelineEngine):
         self.timeline = None  # set to a list to record (instruction, start, end) of every instruction
         self._slices, self._offsets = plan.slices, plan.offsets   # tuples: no plan.py code per slice
         self._seq_len, self._tokens_per_microbatch = plan.seq_len, plan.microbatch_size * plan.seq_len
-        self.head_loss = self._fused_head_loss()  # before deferral: the fused head computes its own W
         if ds_compat.uses_bf16_optimizer(self) != choices.bf16_optimizer:   # choices.py copies DeepSpeed's rule
             raise ValueError(f"RunChoices.bf16_optimizer {choices.bf16_optimizer}, DeepSpeed: {type(self.optimizer)}")
-        self.grad_sink = self._grad_sink()
-        # terapipe.cuda_graphs: the blocks as one CapturedBlocks, captured at the first step (_capture)
-        merged = self.grad_sink.kind == CAPTURED_MERGED   # the blocks' W's inside their graphs
-        self.captured = (capture_blocks(self.module.forward_funcs, merged_weights=merged, sink=self.grad_sink)
-                         if choices.cuda_graphs else None)
-        # None: this stage's backward split into B and W, the schedule carrying a W for every unit
-        self.weight_grads = (defer_stage_weight_grads(self.module.forward_funcs, self.grad_sink)
-                             if self.grad_sink.choice.weight_grads_in_b is None else None)
+        # the fused head loss, the gradient sink, captured blocks or deferred W (stage_compute.py)
+        compute = build_stage_compute(self, choices)
+        self.head_loss, self.grad_sink = compute.head_loss, compute.grad_sink
+        self.captured, self.weight_grads = compute.captured, compute.weight_grads
         self._train_program = Program(build_schedule(run_plan.schedule, self.num_stages, self.stage_id,
                                                      self.micro_batches, plan.num_slices,
                                                      split_weight_grads=self.weight_grads is not None),
@@ -123,27 +113,6 @@ class TeraPipeEngine(PipelineEngine):
     @property
     def schedule_name(self) -> str:
         return self.run_plan.schedule
-
-    def _fused_head_loss(self) -> HeadLossLabels | None:
-        """On an activation-checkpointed last stage, the LM head and its cross-entropy as one function
-        that keeps only the head's input for backward (model/slices/head_loss.py), so checkpointing covers
-        the (tokens, vocab) log-softmax too. The stage's forward then returns the summed loss."""
-        if not self.is_last_stage() or self.module.activation_checkpoint_interval == 0:
-            return None
-        labels = fuse_head_loss(self.module.forward_funcs)
-        if labels is not None:
-            ds_compat.recheck_checkpointable(self.module)
-        return labels
-
-    def _grad_sink(self) -> GradSink:
-        """Where this stage's weight gradients land, for the whole run (``model/slices/grad_sink.py``):
-        the run's choice for this stage (``RunChoices.grad_sink``; a stage without decoder blocks
-        captures none), over the bf16 optimizer's buffers where DeepSpeed built it (gradients folded in
-        as made: ``ds_compat.fold_as_made``)."""
-        captured = self.choices.cuda_graphs and has_blocks(self.module.forward_funcs)
-        params = list(self.module.parameters())
-        return make_grad_sink(self.choices.grad_sink(captured), ds_compat.fold_as_made(self),
-                              cut_graphs=lambda: ds_compat.detach_flat_copies(self.optimizer, params))
 
     @property
     def writes_stage_files(self) -> bool:
@@ -219,20 +188,10 @@ class TeraPipeEngine(PipelineEngine):
             try:
                 handler(self, instruction)
             except Exception as err:
-                raise PipelineFailure(self._failure_message(instruction, err)) from err
+                raise PipelineFailure(instruction_failure(self, instruction, err)) from err
             if self.timeline is not None:
                 self.timeline.append((str(instruction), start, time.perf_counter()))
-        self._transfers.finish(lambda send, err: PipelineFailure(self._failure_message(send, err)))
-
-    def _failure_message(self, instruction, err: Exception) -> str:
-        """Which rank and stage failed, doing what, and which peer it was talking to."""
-        where = f"rank {self.global_rank} (stage {self.stage_id}) failed at {instruction}"
-        peer = instruction.peer_stage if instruction.is_comm else None
-        if peer is not None:
-            peer_rank = self.grid.stage_to_global(peer)
-            where += (f" while exchanging with stage {peer} (global rank {peer_rank}): that rank died, hung "
-                      f"or its connection broke")
-        return f"{where}: {type(err).__name__}: {err}"
+        self._transfers.finish(lambda send, err: PipelineFailure(instruction_failure(self, send, err)))
 
     def _reset_step_state(self):
         self._batches = {}     # microbatch -> (input_ids, labels), both (b, seq_len), first/last stage
@@ -299,8 +258,10 @@ class TeraPipeEngine(PipelineEngine):
             self._kv[m] = SequenceKV(self._seq_len, segments=self.layouts.segments(m, self.device))
         kv = self._kv[m]
         self.slice_context.begin(kv, self._offsets[j], self._slices[j])
-        if self.captured is not None:
-            self._capture(m, j)
+        if self.captured is not None:   # before the first training unit, capture the whole step
+            self.captured.unit = (m, j)
+            if self.captured.graphs is None and torch.is_grad_enabled():
+                capture_step(self)
         if self.head_loss is not None:
             self.head_loss.labels = self._labels[(m, j)]
         if self.activation_tracker is None:
@@ -327,20 +288,6 @@ class TeraPipeEngine(PipelineEngine):
         labels = self._labels.pop((m, j))
         divisor = self.layouts.divisor(m, self._tokens_per_microbatch)
         return outputs / divisor if self.head_loss is not None else slice_loss(outputs, labels, divisor)
-
-    def _capture(self, m: int, j: int) -> None:
-        """The captured blocks run unit (m, j) next; before the first training unit, every unit of the
-        step is captured in the order of this stage's schedule."""
-        self.captured.unit = (m, j)
-        if self.captured.graphs is None and torch.is_grad_enabled():
-            # no graph made before the capture (the optimizer's flattening, a checkpoint's relink) may
-            # hold a parameter's gradient accumulator: it was made on the default stream
-            self.grad_sink.before_capture()
-            order = [("F" if type(i) is ForwardSlice else "B", i.microbatch, i.slice)
-                     for i in self._train_program.instructions if isinstance(i, (ForwardSlice, BackwardSlice))]
-            shapes = [[self._slice_shape(k) for k in range(len(self._slices))]] * self.micro_batches
-            self.captured.prepare(order, shapes, list(zip(self._offsets, self._slices)), self._seq_len,
-                                  self.device, self._compute_dtype())
 
     # Sends and receives are asynchronous (p2p.Transfers): a send does not wait for the peer; each
     # receive was posted when the previous one of its kind completed, or after the last send to the

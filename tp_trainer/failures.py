@@ -17,6 +17,9 @@ and leaves a marker file beside it, and the host's other ranks exit once the mar
 
 Exit codes: 2 for bad input (``ConfigError`` and its kinds, ``OSError``: the message names
 the input and the fix), 1 for anything else (a bug: the reporting rank keeps the traceback).
+
+Mid-step, an instruction that fails raises ``PipelineFailure`` naming the rank, the instruction and
+the peer it was exchanging with (``instruction_failure``): the peer that died is the one to look at.
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ BAD_INPUT = 2
 INTERNAL = 1
 INPUT_ERRORS = (ConfigError, OSError)  # data.DataConfigError is a ConfigError
 _CODE_BITS = 256  # the agreed key is rank * 256 + exit code: one integer, one all_reduce
+
+
+class PipelineFailure(RuntimeError):
+    """A schedule's instruction failed mid-step; the message names the rank, stage, instruction and peer."""
+
+
+def instruction_failure(engine, instruction, err: Exception) -> str:
+    """Which rank and stage failed, doing what, and which peer it was talking to."""
+    where = f"rank {engine.global_rank} (stage {engine.stage_id}) failed at {instruction}"
+    peer = instruction.peer_stage if instruction.is_comm else None
+    if peer is not None:
+        where += (f" while exchanging with stage {peer} (global rank {engine.grid.stage_to_global(peer)}): "
+                  f"that rank died, hung or its connection broke")
+    return f"{where}: {type(err).__name__}: {err}"
 
 
 def setup_logging() -> int:

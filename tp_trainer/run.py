@@ -21,8 +21,7 @@ from . import resume
 from .checks import RunSpec, check_validation_size, check_vocabulary, model_config, validate  # noqa: F401 (model_config: export.py)
 from .data import build_lm_dataset, get_tokenizer
 from .data.packing import step_batches
-from .engine import PipelineFailure
-from .failures import INPUT_ERRORS, RunStopped, setup_logging, stop_before_start, stop_together, together
+from .failures import INPUT_ERRORS, PipelineFailure, RunStopped, setup_logging, stop_before_start, stop_together, together
 from .initialize import bind_rank_cores, init_process_group, initialize, launch_world_size
 from .memory import memory_report
 from .resume import checkpoint_dir

@@ -244,7 +244,7 @@ TOUCHES = (
     Touch(PIPE_MODULE, "_recursive_getattr", "Resolves a tied weight attribute such as 'inner.weight'.",
           PIPE_SINCE, ("tp_trainer/ds_compat/__init__.py",), params=("module", "attr_name")),
     Touch(PIPE_MODULE, "forward_funcs", "This stage's built layers in order (deferred weight gradients, "
-          "profiling).", PIPE_SINCE, ("tp_trainer/engine.py", "tp_trainer/planner/profile.py"), instance_attr=True,
+          "profiling).", PIPE_SINCE, ("tp_trainer/stage_compute.py", "tp_trainer/planner/profile.py"), instance_attr=True,
           source=(("_build", ("self.forward_funcs.append(",)),)),
     Touch(PIPE_MODULE, "_precompute_checkpointable_values", "Caches, per checkpoint interval, which layer "
           "groups forward() checkpoints; ds_compat.recheck_checkpointable clears the cache key and calls it "
