@@ -18,10 +18,8 @@ every length.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -120,6 +118,25 @@ class Watchdog(threading.Thread):
                 self.on_trip(rss, available)
                 os._exit(WATCHDOG_EXIT)
             time.sleep(0.05)
+
+
+def watch(cap_gib: float, rank_file) -> None:
+    """Start a ``Watchdog`` at ``cap_gib`` that saves ``rank_file`` with the reason before it ends the rank."""
+    Watchdog(cap_gib * GIB, lambda rss, free: rank_file.save(
+        f"watchdog: RSS {rss / GIB:.2f} GiB (cap {cap_gib:g}), available {free / GIB:.2f} GiB")).start()
+
+
+def measured_step(tracker, train) -> dict:
+    """Run ``train()`` (one step; returns its loss) after a barrier, from a reset peak: its wall time,
+    this rank's peak RSS (VmHWM) and its peak saved activations (``tracker``) during it."""
+    import torch.distributed as tdist
+    tracker.reset_peak()
+    tdist.barrier()
+    reset_hwm()
+    start = time.perf_counter()
+    loss = train()
+    return {"step_s": time.perf_counter() - start, "peak_bytes": hwm_bytes(), "activations_bytes": tracker.peak,
+            "loss": loss, "load": os.getloadavg()[0]}
 
 
 def build(variant: str, ns, work: str, limit_gib: float | None):
@@ -270,23 +287,12 @@ def _machine_room() -> float:
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as tdist
-    from _ranks import bind_rank, quiet_deepspeed
-    from tp_trainer.initialize import init_process_group
-    torch.set_num_threads(1)
-    bind_rank()
-    quiet_deepspeed()
-    init_process_group()  # the stock engine's per-stage weights need it before deepspeed.initialize
-    rank = int(os.environ["RANK"])
+    from _ranks import RankFile, start_rank
+    rank = start_rank()  # the stock engine's per-stage weights need the group before deepspeed.initialize
     cap = args.mem_cap_gib * GIB
-    out = os.path.join(args.work, f"{args.variant}.rank{rank}.json")
-    result = {"variant": args.variant, "family": args.family, "rank": rank, "records": [], "stop": None}
-
-    def save(stop=None):
-        result["stop"] = stop or result["stop"]
-        with open(out, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
+    rank_file = RankFile(args.work, args.variant, rank, variant=args.variant, family=args.family, records=[])
+    result, save = rank_file.record, rank_file.save
 
     def tripped(rss, free):
         reason = (f"RSS {rss / GIB:.2f} GiB passed the cap" if rss > cap
@@ -351,12 +357,6 @@ def worker(args) -> None:
     leave(0)  # skip the process group's destructors (failures.leave)
 
 
-def main() -> None:
-    args = SimpleNamespace(**json.loads(sys.argv[1]))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _ranks import run_rank
-    run_rank(worker, args)
-
-
 if __name__ == "__main__":
-    main()
+    from _ranks import rank_main
+    rank_main(worker)

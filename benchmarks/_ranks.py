@@ -40,6 +40,45 @@ def run_rank(worker, args) -> None:
         leave(1)
 
 
+def rank_main(worker) -> None:
+    """A rank script's entry: ``worker`` of the JSON arguments in ``sys.argv[1]``, through ``run_rank``."""
+    import json
+    from types import SimpleNamespace
+    run_rank(worker, SimpleNamespace(**json.loads(sys.argv[1])))
+
+
+def start_rank(lean_heap: bool = False) -> int:
+    """A benchmark rank's prologue: one thread, its own core, DeepSpeed's info lines off, the process
+    group up; with ``lean_heap`` freed tensors go back to the OS, so the RSS follows the bytes in use
+    (``memory.lean_heap``, as the memory model counts them). Returns RANK."""
+    import torch
+
+    from tp_trainer.initialize import init_process_group
+    torch.set_num_threads(1)
+    bind_rank()
+    quiet_deepspeed()
+    init_process_group()
+    if lean_heap:
+        from tp_trainer.memory import lean_heap as lean
+        lean()
+    return int(os.environ["RANK"])
+
+
+class RankFile:
+    """This rank's record as ``<work>/<tag>.rank<r>.json``, rewritten whole at every ``save`` (a rank
+    that stops keeps what it measured); ``save(stop)`` also records why it stopped."""
+
+    def __init__(self, work: str, tag: str, rank: int, **record):
+        self.path = os.path.join(work, f"{tag}.rank{rank}.json")
+        self.record = {"rank": rank, **record, "stop": None}
+
+    def save(self, stop: str | None = None) -> None:
+        import json
+        self.record["stop"] = stop or self.record["stop"]
+        with open(self.path, "w", encoding="utf-8") as handle:
+            json.dump(self.record, handle, indent=1)
+
+
 def bind_rank(enabled: bool = True) -> None:
     """This rank on its own core(s), as ``terapipe.bind_cores`` puts a training rank (every variant
     of a benchmark then runs bound, DeepSpeed's stock engine too); rank 0 says where it runs."""

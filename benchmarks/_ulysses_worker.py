@@ -13,9 +13,6 @@ there as the reason it stopped.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 import traceback
 from types import SimpleNamespace
@@ -69,30 +66,16 @@ def train_step(args, engine, tracker, ids, labels, positions) -> float:
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as tdist
-    from _long_context_worker import Watchdog, hwm_bytes, release_memory, reset_hwm, rss_bytes
-    from _ranks import bind_rank, quiet_deepspeed
+    from _long_context_worker import measured_step, release_memory, reset_hwm, rss_bytes, watch
+    from _ranks import RankFile, start_rank
 
     from tp_trainer.failures import leave
-    from tp_trainer.initialize import init_process_group
-    from tp_trainer.memory import ActivationTracker, lean_heap
-    torch.set_num_threads(1)
-    bind_rank()
-    quiet_deepspeed()
-    init_process_group()
-    lean_heap()
-    rank = int(os.environ["RANK"])
-    out = os.path.join(args.work, f"{args.tag}.rank{rank}.json")
-    record = {"rank": rank, "length": args.seq_len, "zero_stage": args.zero_stage, "steps": [], "stop": None}
-
-    def save(stop=None):
-        record["stop"] = stop or record["stop"]
-        with open(out, "w", encoding="utf-8") as handle:
-            json.dump(record, handle, indent=1)
-
-    Watchdog(args.mem_cap_gib * GIB, lambda rss, free: save(
-        f"watchdog: RSS {rss / GIB:.2f} GiB (cap {args.mem_cap_gib:g}), available {free / GIB:.2f} GiB")).start()
+    from tp_trainer.memory import ActivationTracker
+    rank = start_rank(lean_heap=True)
+    rank_file = RankFile(args.work, args.tag, rank, length=args.seq_len, zero_stage=args.zero_stage, steps=[])
+    record, save = rank_file.record, rank_file.save
+    watch(args.mem_cap_gib, rank_file)
     release_memory()
     reset_hwm()
     record["base_bytes"] = rss_bytes()
@@ -103,13 +86,9 @@ def worker(args) -> None:
         tracker = ActivationTracker(engine.module.parameters())
         sp_rank = tdist.get_rank(mpu.get_sequence_parallel_group())
         for step in range(args.warmup + args.steps):
-            tracker.reset_peak()
-            tdist.barrier()
-            reset_hwm()
-            start = time.perf_counter()
-            loss = train_step(args, engine, tracker, *shard(args, step, sp_rank))
-            record["steps"].append({"step_s": time.perf_counter() - start, "peak_bytes": hwm_bytes(),
-                                    "activations_bytes": tracker.peak, "loss": loss, "warmup": step < args.warmup})
+            batch = shard(args, step, sp_rank)
+            measured = measured_step(tracker, lambda: train_step(args, engine, tracker, *batch))
+            record["steps"].append({**measured, "warmup": step < args.warmup})
             save()
     except Exception as err:  # the report names what stopped DeepSpeed's Ulysses here
         save(f"{type(err).__name__}: {' '.join(str(err).split())[:300]}")
@@ -125,12 +104,6 @@ def worker(args) -> None:
     leave(0)
 
 
-def main() -> None:
-    args = SimpleNamespace(**json.loads(sys.argv[1]))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _ranks import run_rank
-    run_rank(worker, args)
-
-
 if __name__ == "__main__":
-    main()
+    from _ranks import rank_main
+    rank_main(worker)
