@@ -31,11 +31,14 @@ import torch
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
-# Adam divides by sqrt(v) + eps: an element whose gradient is rounding noise (~1e-9) moves by
-# ~lr * noise / eps; with the default eps 1e-8 that is +-lr whatever the noise, in every run, and
-# the fp32 check's bound for that tensor becomes lr-sized. eps = 1e-5 keeps such updates at the
-# noise level, so the fp32 check stays meaningful for every parameter.
-ADAM_EPS = 1e-5
+# Adam moves an element by lr * m / (sqrt(v) + eps): with a gradient g, by about lr * g / (|g| + eps)
+# a step, so a rounding error d of g moves the parameter by up to lr * d * eps / (|g| + eps)^2, at
+# most lr * d / eps (g near 0). The default eps 1e-8 turns noise-size gradients (the key bias,
+# which softmax ignores) into +-lr steps; eps 1e-5 still multiplies a gradient's rounding by up to
+# 100 (39 at an element of 6e-6), so whichever fp32 run rounds that one element better sets the
+# tensor's allowance. eps 1e-4 caps the factor at 10: a parameter's fp32 distance then follows its
+# gradient's, and the check judges the engine rather than one element's luck.
+ADAM_EPS = 1e-4
 CLIP = 1.0  # DeepSpeed's default gradient_clipping; the global norm spans every stage
 
 # float64 end to end. HF's eager attention takes its softmax in fp32 even in a float64 model

@@ -116,6 +116,9 @@ def test_precision_steps_run_on_the_cpu():
     session would otherwise meet first: the inf hook must reach a gradient (fp32 defers weight
     gradients, so the fp32 reference forces none), the step must be skipped. About 15 s."""
     import _gpu_steps as gs
+    import cpu_kernels
+    if problem := cpu_kernels.bf16_flash_problem():
+        pytest.skip(problem)
     fp32 = gs.run_precision("fp32", 3)
     assert fp32["overflow"] is None and len(fp32["losses"]) == 3
     verdict = gs.judge_precision("bf16", gs.run_precision("bf16", 3), fp32)

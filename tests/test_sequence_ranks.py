@@ -52,8 +52,8 @@ AUTO = [case for world in WORLDS for case in sc.auto_cases(world)]
 @pytest.mark.parametrize("case", AUTO, ids=[c["name"] for c in AUTO])
 def test_auto_slices_over_sequence_ranks(exactness_runs, case):
     """"slices": "auto" with 2 sequence ranks per stage: every rank's plan line shows the planner's slices, each
-    a multiple of 2 (its grain: granularity 1 raised to the ranks), the report prices the group's all-to-alls,
-    and the run trains what HF trains (float64)."""
+    a multiple of 2 (its grain: granularity 1 raised to the ranks), the report prices the group's all-to-alls
+    and says no half is shared, and the run trains what HF trains (float64)."""
     import re
     got = exactness_runs[f"{case['name']}@f64"]
     assert got["sequence_ranks"] == {0, 1}
@@ -66,6 +66,7 @@ def test_auto_slices_over_sequence_ranks(exactness_runs, case):
     assert "2 stages x 2 sequence ranks" in line, line
     report = got["inspected"][0]["report"]
     assert "sequence ranks: 2 per stage" in report and "slices on a grain of 2 tokens" in report, report
+    assert "no half shared by two stages' slices (terapipe.share_halves: not with sequence ranks)" in report, report
     worst = harness.check_float64(got, sc.reference(case, torch.float64))
     print(case["name"], line, "| float64 " + " ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 

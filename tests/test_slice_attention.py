@@ -61,6 +61,10 @@ def test_kernel_path_exact(heads, kv_heads, window, start, length):
 def test_kernel_path_reduced_precision(dtype, start, length, dim):
     """bf16 / fp16: the kernel path (computing in fp32 where ``_kernel_dtype`` says so, in the input
     dtype above the threshold: 160 x 64 > 8192) is as close to float64 as torch's own SDPA in that dtype."""
+    import cpu_kernels
+    native = dtype is torch.bfloat16 and length * dim > attention.UPCAST_UP_TO   # torch's bf16 kernel runs
+    if native and (problem := cpu_kernels.bf16_flash_problem()):
+        pytest.skip(problem)
     torch.manual_seed(0)
     q64 = torch.randn(1, length, 4, dim, dtype=torch.float64).transpose(1, 2).requires_grad_()
     k64, v64 = (torch.randn(1, 2, start + length, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))

@@ -268,7 +268,8 @@ def _plan(layers, seq_len, batch, stages, analytic, microbatch_size, granularity
     if ranks is not None:
         text.append(ranks.describe(layers.block.bytes_per_element) + f"; p2p above per byte of a slice's "
                     f"activation (the link's / {ranks.size}: a rank's message holds l/{ranks.size} of its tokens); "
-                    f"slices on a grain of {granularity} tokens")
+                    f"slices on a grain of {granularity} tokens; no half shared by two stages' slices "
+                    f"(terapipe.share_halves: not with sequence ranks)")
     text.append(describe_layout(layout, layers, analytic))
     size, kv_heads = (ranks.size, ranks.kv_heads) if ranks is not None else (1, 1)
     if memory_limit is not None:
