@@ -47,11 +47,21 @@ def test_real_engine_passes(rank_files, exact):
     check(rank_files, exact, "none")
 
 
+@pytest.fixture(scope="module")
+def fp32_hf():
+    return harness.reference(ec.tiny_model(mw.CASE["tied"], dtype=torch.float32),
+                             lambda step: ec.batches(mw.CASE, step), ec.STEPS, ec.batches(mw.CASE, ec.EVAL_STEP))
+
+
 @pytest.mark.parametrize("mutation", [m for m in mw.MUTATIONS if m != "none"])
-def test_mutation_fails(rank_files, exact, mutation):
+def test_mutation_fails(rank_files, exact, fp32_hf, mutation):
+    """Each mutation fails the float64 check, and the fp32 check too (the only one the data-parallel
+    cases get): its allowance, 10x the fp32 HF run's own distance, stays far below what a bug moves."""
     with pytest.raises(AssertionError) as failure:
         check(rank_files, exact, mutation)
-    print(f"{mutation}: {str(failure.value).splitlines()[0]}")
+    with pytest.raises(AssertionError) as fp32_failure:
+        harness.check_float32(harness.merge_ranks(rank_files, 2, only=mutation)[mutation], fp32_hf, exact)
+    print(f"{mutation}: {str(failure.value).splitlines()[0]} | {str(fp32_failure.value).splitlines()[0]}")
 
 
 @pytest.fixture(scope="module")
