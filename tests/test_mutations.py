@@ -31,10 +31,15 @@ def rank_files(tmp_path_factory):
     return out_dir
 
 
+def hf_run(dtype: torch.dtype) -> dict:
+    """The plain HF model trained on the mutations' case in one process (harness.reference)."""
+    return harness.reference(ec.tiny_model(mw.CASE["tied"], dtype=dtype),
+                             lambda step: ec.batches(mw.CASE, step), ec.STEPS, ec.batches(mw.CASE, ec.EVAL_STEP))
+
+
 @pytest.fixture(scope="module")
 def exact():
-    return harness.reference(ec.tiny_model(mw.CASE["tied"], dtype=torch.float64),
-                             lambda step: ec.batches(mw.CASE, step), ec.STEPS, ec.batches(mw.CASE, ec.EVAL_STEP))
+    return hf_run(torch.float64)
 
 
 def check(rank_files, exact, name: str) -> None:
@@ -49,8 +54,7 @@ def test_real_engine_passes(rank_files, exact):
 
 @pytest.fixture(scope="module")
 def fp32_hf():
-    return harness.reference(ec.tiny_model(mw.CASE["tied"], dtype=torch.float32),
-                             lambda step: ec.batches(mw.CASE, step), ec.STEPS, ec.batches(mw.CASE, ec.EVAL_STEP))
+    return hf_run(torch.float32)
 
 
 @pytest.mark.parametrize("mutation", [m for m in mw.MUTATIONS if m != "none"])
